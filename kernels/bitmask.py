@@ -1,0 +1,174 @@
+"""xgrammar token bitmasks as plain aten math: unpack, apply, masked greedy pick.
+
+Format (xgrammar's): an int32 tensor ``[..., ceil(V / 32)]``; token ``t`` is bit
+``t % 32`` (LSB first) of word ``t // 32``; 1 = allowed. A word of ``-1`` allows
+all 32 of its tokens. Bits at or past ``vocab_size`` in the last word are not
+reliable and are always treated as disallowed, as are logits columns at or past
+``vocab_size`` (a padded lm_head: Qwen3 151669 tokens vs 151936 logits).
+
+Every function here is built from functional aten ops with static vocab widths and
+no Python loop over rows, so ``torch.export`` keeps it as plain aten nodes,
+inductor fuses it into one loop, and torch-xla lowers it with any batch contents
+under one compilation. Bits are tested by AND with powers of two (bit 31 is the
+int32 ``-2**31``), never by right shift: an int32 right shift of bit 31 is
+arithmetic, and some backends lack shifts on data.
+
+Widths are checked eagerly with messages that name both widths and the fix.
+"""
+from __future__ import annotations
+
+import torch
+
+ALL_ALLOWED_WORD = -1
+BITS_PER_WORD = 32
+
+__all__ = [
+    "ALL_ALLOWED_WORD",
+    "packed_width",
+    "unpack_bitmask",
+    "allowed_columns",
+    "apply_bitmask",
+    "apply_bool_mask",
+    "masked_argmax",
+    "empty_rows",
+    "pack_bool_mask",
+    "all_allowed_bitmask",
+]
+
+
+def packed_width(vocab_size: int) -> int:
+    """Number of int32 words that hold ``vocab_size`` bits."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """int32 ``[32]`` with ``1 << k``; entry 31 is ``-2**31`` (the sign bit)."""
+    one = torch.ones((), dtype=torch.int32, device=device)
+    return torch.bitwise_left_shift(one, torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device))
+
+
+def _check_packed(packed: torch.Tensor, vocab_size: int) -> None:
+    if packed.dtype != torch.int32:
+        raise TypeError(
+            f"packed bitmask must be int32 (xgrammar's format), got {packed.dtype}; "
+            "build it with xgrammar.allocate_token_bitmask or pack_bool_mask()"
+        )
+    want = packed_width(vocab_size)
+    if packed.shape[-1] != want:
+        raise ValueError(
+            f"packed bitmask has {packed.shape[-1]} words per row but vocab_size={vocab_size} "
+            f"needs ceil({vocab_size}/32) = {want}; pass a mask of width {want}, or the vocab_size "
+            f"the mask was built for (between {32 * packed.shape[-1] - 31} and {32 * packed.shape[-1]})"
+        )
+
+
+def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed)."""
+    _check_packed(packed, vocab_size)
+    bits = torch.bitwise_and(packed.unsqueeze(-1), _bit_values(packed.device)) != 0
+    return bits.flatten(-2)[..., :vocab_size]
+
+
+def _fit_width(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad a ``[..., V]`` allowed mask with False up to the logits ``width`` (>= V)."""
+    vocab_size = allowed.shape[-1]
+    if width < vocab_size:
+        raise ValueError(
+            f"logits have {width} columns but the mask covers vocab_size={vocab_size} tokens; "
+            f"pass vocab_size<={width} (the tokenizer's vocabulary) or logits of width >= {vocab_size}"
+        )
+    if width == vocab_size:
+        return allowed
+    # cat, not F.pad: pad's decomposition guards on (and so specialises) symbolic batch sizes.
+    padding = allowed.new_zeros((*allowed.shape[:-1], width - vocab_size))
+    return torch.cat([allowed, padding], dim=-1)
+
+
+def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = None) -> torch.Tensor:
+    """A packed (int32) or bool mask -> bool ``[..., width]`` over the logits' columns.
+
+    ``vocab_size`` defaults to ``width``; columns at or past it are disallowed.
+    """
+    vocab_size = width if vocab_size is None else vocab_size
+    if mask.dtype == torch.bool:
+        if mask.shape[-1] != vocab_size:
+            raise ValueError(
+                f"bool logit mask has {mask.shape[-1]} columns but vocab_size={vocab_size}; "
+                f"pass vocab_size={mask.shape[-1]} or a mask of width {vocab_size}"
+            )
+        return _fit_width(mask, width)
+    return _fit_width(unpack_bitmask(mask, vocab_size), width)
+
+
+def apply_bitmask(logits: torch.Tensor, packed: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Return logits with ``-inf`` where the packed mask disallows a token.
+
+    Functional (the input is not written). ``vocab_size`` defaults to the logits'
+    width; columns at or past it are disallowed.
+    """
+    allowed = allowed_columns(packed, logits.shape[-1], vocab_size)
+    return logits.masked_fill(allowed.logical_not(), float("-inf"))
+
+
+def apply_bool_mask(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Bool-mask twin of :func:`apply_bitmask`."""
+    allowed = allowed_columns(mask, logits.shape[-1], vocab_size)
+    return logits.masked_fill(allowed.logical_not(), float("-inf"))
+
+
+def empty_rows(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool ``[...]``: rows whose mask allows no token below ``vocab_size``.
+
+    For a packed mask this reads the words, not the unpacked bits (32x less work):
+    the last word is ANDed with the bits that lie below ``vocab_size``.
+    """
+    if mask.dtype == torch.bool:
+        return mask[..., :vocab_size].any(-1).logical_not()
+    _check_packed(mask, vocab_size)
+    width = mask.shape[-1]
+    tail_bits = vocab_size - (width - 1) * BITS_PER_WORD  # 1..32 valid bits in the last word
+    tail_word = -1 if tail_bits == BITS_PER_WORD else (1 << tail_bits) - 1
+    word_index = torch.arange(width, dtype=torch.int32, device=mask.device)
+    valid = torch.where(word_index == width - 1, tail_word, ALL_ALLOWED_WORD).to(torch.int32)
+    return torch.bitwise_and(mask, valid).eq(0).all(-1)
+
+
+def masked_argmax(
+    logits: torch.Tensor, packed: torch.Tensor, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy pick among allowed tokens: ``(tokens int64 [...], empty bool [...])``.
+
+    Under inductor the unpack, the select and the reduction fuse into one pass over
+    the logits, so no bool mask is materialised. A row whose mask allows nothing
+    gets ``empty=True`` (and a meaningless token): the caller decides, never token 0
+    in silence.
+    """
+    vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
+    tokens = apply_bitmask(logits, packed, vocab_size).argmax(-1)
+    return tokens, empty_rows(packed, vocab_size)
+
+
+# ----------------------------------------------------------------------------- host helpers
+
+
+def pack_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., V]`` -> xgrammar int32 ``[..., ceil(V/32)]`` (bits past V are 0)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"pack_bool_mask wants a bool mask, got {mask.dtype}")
+    vocab_size = mask.shape[-1]
+    width = packed_width(vocab_size)
+    padded = torch.nn.functional.pad(mask, (0, width * BITS_PER_WORD - vocab_size), value=False)
+    words = padded.reshape(*mask.shape[:-1], width, BITS_PER_WORD).to(torch.int64)
+    # Sum of distinct powers of two in int64, then wrap to int32 (bit 31 -> sign bit).
+    powers = torch.ones((), dtype=torch.int64, device=mask.device) << torch.arange(
+        BITS_PER_WORD, dtype=torch.int64, device=mask.device
+    )
+    value = (words * powers).sum(-1)
+    return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
+
+
+def all_allowed_bitmask(*leading: int, vocab_size: int, device=None) -> torch.Tensor:
+    """A packed mask that allows every token: every word ``-1``."""
+    return torch.full((*leading, packed_width(vocab_size)), ALL_ALLOWED_WORD, dtype=torch.int32, device=device)

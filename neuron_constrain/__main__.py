@@ -1,0 +1,5 @@
+import sys
+
+from neuron_constrain.cli import main
+
+sys.exit(main())

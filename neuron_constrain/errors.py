@@ -1,0 +1,21 @@
+"""Errors that name the problem and the fix."""
+
+
+class TransformError(ValueError):
+    """A pass option or a model does not fit the graph (raised while transforming)."""
+
+
+class InputError(ValueError):
+    """A tensor fed to a transformed model has the wrong dtype, shape or device."""
+
+
+class EmptyMaskRowError(RuntimeError):
+    """A logit mask row allows no token, so no token can be chosen for it."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        super().__init__(
+            f"logit_mask allows no token in row(s) {rows}: the sampled token there would be meaningless. "
+            "Check the grammar state of those requests (a finished grammar, or min_tokens masking the only "
+            "allowed stop token), or transform with empty_row=<eos id> to emit that token instead"
+        )

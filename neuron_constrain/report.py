@@ -1,0 +1,94 @@
+"""What a pass did, as data: the CLI prints it, tests and ``Transformed`` read it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import sympy
+import torch
+
+__all__ = ["AddedInput", "PassReport", "TransformReport", "evaluate_dim"]
+
+
+def evaluate_dim(dim: int | sympy.Expr, bindings: dict) -> Any:
+    """A program dimension (int or sympy expression over input sizes) for concrete inputs.
+
+    ``bindings`` maps symbols to ints (or to SymInts while being traced again).
+    """
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, sympy.Integer):
+        return int(dim)
+    if isinstance(dim, sympy.Symbol):
+        if dim not in bindings:
+            raise ValueError(f"cannot size a new input: dimension {dim} is not the size of any input")
+        return bindings[dim]
+    parts = [evaluate_dim(a, bindings) for a in dim.args]
+    if isinstance(dim, sympy.Add):
+        return sum(parts[1:], parts[0])
+    if isinstance(dim, sympy.Mul):
+        result = parts[0]
+        for p in parts[1:]:
+            result = result * p
+        return result
+    raise ValueError(f"cannot size a new input from the expression {dim}")
+
+
+@dataclasses.dataclass
+class AddedInput:
+    """A graph input a pass added, and how to feed it when the caller does not.
+
+    ``shape`` holds ints and sympy expressions over the program's input sizes;
+    ``fill`` is the value of the tensor fed when the caller passes nothing (an
+    all-allowed mask is ``-1`` packed or ``True`` bool: one graph for constrained
+    and unconstrained traffic).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    fill: Any
+    doc: str = ""
+
+    def shape_for(self, bindings: dict) -> tuple:
+        return tuple(evaluate_dim(d, bindings) for d in self.shape)
+
+    def describe(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{self.name}: {str(self.dtype).replace('torch.', '')}[{dims}]"
+
+
+@dataclasses.dataclass
+class PassReport:
+    name: str
+    sites: list[dict] = dataclasses.field(default_factory=list)
+    nodes_inserted: int = 0
+    inputs_added: list[AddedInput] = dataclasses.field(default_factory=list)
+    outputs_added: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"{self.name}: {len(self.sites)} site(s), {self.nodes_inserted} node(s) inserted"]
+        lines += [f"  site {s['node']} ({s['kind']}) in {s['module'] or '<root>'}" for s in self.sites]
+        lines += [f"  input  {i.describe()}" for i in self.inputs_added]
+        lines += [f"  output {o}" for o in self.outputs_added]
+        lines += [f"  note   {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class TransformReport:
+    passes: dict[str, PassReport] = dataclasses.field(default_factory=dict)
+    export_seconds: float = 0.0
+    transform_seconds: float = 0.0
+
+    def __getitem__(self, name: str) -> PassReport:
+        return self.passes[name]
+
+    @property
+    def inputs_added(self) -> list[AddedInput]:
+        return [i for r in self.passes.values() for i in r.inputs_added]
+
+    def summary(self) -> str:
+        head = f"export {self.export_seconds:.2f}s, passes {self.transform_seconds:.2f}s"
+        return "\n".join([head] + [r.summary() for r in self.passes.values()])
