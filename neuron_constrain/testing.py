@@ -27,18 +27,22 @@ def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, lay
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
+    # MoE experts as dense batched matmuls: plain aten ops, static shapes (what an AOT
+    # compiler wants); transformers' default under export is a custom grouped-mm op.
+    moe = {"experts_implementation": "batched_mm"}
     if arch == "llama":
         cfg = transformers.LlamaConfig(**{**common, **overrides})
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**{**common, "head_dim": hidden_size // 4, **overrides})
     elif arch == "mixtral":
         cfg = transformers.MixtralConfig(
-            **{**common, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
+            **{**common, **moe, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
         )
     elif arch == "gpt_oss":
         cfg = transformers.GptOssConfig(
             **{
                 **common,
+                **moe,
                 "num_local_experts": 4,
                 "num_experts_per_tok": 2,
                 "head_dim": hidden_size // 4,
@@ -125,3 +129,75 @@ def random_ids(batch: int, seq: int, vocab_size: int, *, seed: int = 0) -> torch
 def exponential_noise(batch: int, width: int, *, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.empty(batch, width).exponential_(generator=generator)
+
+
+# ----------------------------------------------------------------------------- toy tokenizer
+
+_JSON_PIECES = (
+    '{"', '"}', '":', '",', '":"', '","', '"]', '["', '[{', '}]', '},', '},{', '{}', '[]', '":[', '":{',
+    '": ', ', "', '\\"', '\\n', '  ', '    ', 'true', 'false', 'null', '.0', '.5', '-1', '0.', '1.',
+)
+_WORDS = (
+    "name", "id", "age", "type", "value", "items", "tags", "city", "email", "count", "price", "score",
+    "status", "title", "user", "users", "data", "description", "enabled", "location", "unit", "query",
+    "arguments", "function", "parameters", "celsius", "fahrenheit", "yes", "no", "red", "green", "blue",
+    "the", "and", "ing", "tion", "er", "on", "in", "at", "es", "ed", "or", "an", "is", "it", "to",
+    "weather", "get", "search", "street", "zip", "country", "address", "active", "level", "mode",
+    "min", "max", "first", "last", "date", "time", "size", "small", "large", "medium", "ok", "error",
+)
+
+
+def toy_tokenizer(size: int | None = None):
+    """A byte-level vocabulary written here, no download: all 256 single bytes, common
+    JSON pieces (``{"``, ``":``, ``",``, ``true``, ...), two-digit numbers, words with
+    and without a leading space or quote, then the stop token (an empty piece).
+
+    ``size``: pad to exactly this many tokens with unique 4-letter filler words (stand-ins
+    for a large BPE vocabulary, e.g. ``size=128256`` for Llama 3's). Returns a
+    :class:`neuron_constrain.structured.Vocabulary`; its ``eos_id`` is the stop token.
+    """
+    from neuron_constrain.structured import Vocabulary
+
+    texts = list(_JSON_PIECES) + [f"{n:02d}" for n in range(100)]
+    for word in _WORDS:
+        texts += [word, " " + word, '"' + word, '"' + word + '"', word.capitalize()]
+    pieces = [bytes([b]) for b in range(256)]
+    seen = set(pieces)
+    for text in texts:
+        piece = text.encode()
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append(piece)
+    eos_id = len(pieces)
+    pieces.append(b"")
+    if size is not None:
+        if size < len(pieces):
+            raise ValueError(f"the toy vocabulary has {len(pieces)} base tokens; size={size} cannot hold them")
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        index = 0
+        while len(pieces) < size:
+            n, word = index, ""
+            for _ in range(4):
+                n, digit = divmod(n, 26)
+                word += letters[digit]
+            index += 1
+            piece = word.encode()
+            if piece not in seen:
+                seen.add(piece)
+                pieces.append(piece)
+    return Vocabulary(pieces, eos_id=eos_id)
+
+
+class ForcedStep(torch.nn.Module):
+    """Greedy step with an additive ``bias [B, V]`` before the argmax: teacher forcing
+    through a compiled graph. With ``bias = big * one_hot(token)`` the step returns
+    ``token`` exactly when the logit mask allows it, so a wrong bit, row or reorder in
+    the mask fed to the graph shows up as a different token."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
+        return (logits + bias).argmax(-1)

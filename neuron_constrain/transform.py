@@ -41,10 +41,15 @@ class Transformed(torch.nn.Module):
             if s.kind == InputKind.USER_INPUT and s.arg.name not in added
         ]
         placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-        self._user_vals = [
-            placeholders[s.arg.name].meta["val"] if isinstance(s.arg, TensorArgument) else None
-            for s in self._user_specs
-        ]
+        # (leaf index, dim, symbol) for every symbolic size of a user input: plain
+        # data, so forward() never touches fake tensors (dynamo traces it).
+        self._symbolic_dims = []
+        for leaf, spec in enumerate(self._user_specs):
+            if not isinstance(spec.arg, TensorArgument):
+                continue
+            for dim, size in enumerate(placeholders[spec.arg.name].meta["val"].shape):
+                if isinstance(size, torch.SymInt):
+                    self._symbolic_dims.append((leaf, dim, size.node.expr))
         args_index, kwargs_index = pytree.tree_unflatten(
             list(range(program.call_spec.in_spec.num_leaves)), program.call_spec.in_spec
         )
@@ -58,15 +63,10 @@ class Transformed(torch.nn.Module):
         ordered = {k: kwargs[k] for k in self._kwarg_order if k in kwargs}
         leaves = pytree.tree_leaves((args, ordered))
         bindings: dict = {}
-        device = None
-        for leaf, val in zip(leaves, self._user_vals):
-            if val is None or not isinstance(leaf, torch.Tensor):
-                continue
-            device = device or leaf.device
-            for want, got in zip(val.shape, leaf.shape):
-                if isinstance(want, torch.SymInt):
-                    bindings.setdefault(want.node.expr, got)
-        return bindings, device or torch.device("cpu")
+        for leaf, dim, symbol in self._symbolic_dims:
+            bindings.setdefault(symbol, leaves[leaf].shape[dim])
+        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        return bindings, device
 
     def _feed(self, info: AddedInput, value, bindings: dict, device: torch.device) -> torch.Tensor:
         shape = info.shape_for(bindings)
@@ -132,9 +132,12 @@ def transform(
     if isinstance(model, ExportedProgram):
         program = model
     else:
-        program = torch.export.export(
-            model, tuple(example_inputs), kwargs=example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict
-        )
+        # Decoding is inference: exporting under no_grad keeps a model's own no_grad
+        # blocks (MoE routing) from becoming set_grad higher-order ops in the graph.
+        with torch.no_grad():
+            program = torch.export.export(
+                model, tuple(example_inputs), kwargs=example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+            )
     report.export_seconds = time.perf_counter() - start
     start = time.perf_counter()
     if logit_mask is not None:

@@ -70,6 +70,8 @@ def mask_logits_pass(
 
     editor = ProgramEditor(program)
     plan = plan_mask_points(editor.graph, editor.user_output_nodes(), vocab_size)
+    if plan is None and vocab_size is not None:  # logits found, but narrower than vocab_size?
+        plan = plan_mask_points(editor.graph, editor.user_output_nodes(), None)
     if plan is None:
         raise TransformError(
             "found no logits to mask: the graph has no vocabulary projection (a matmul wider than its input"

@@ -1,0 +1,254 @@
+"""The ``neuron-constrain`` CLI, run as a subprocess the way users and CI run it.
+
+Golden canonical texts live in ``tests/golden/``; the same files hold on torch 2.9
+and 2.13. After an intended graph change, regenerate one with
+``neuron-constrain check OUT.pt2 --expect tests/golden/NAME.txt --update``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_constrain.passes.mask_logits_pass import MASK_INPUT
+from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
+
+GOLDEN = Path(__file__).parent / "golden"
+SCRIPT = Path(sys.executable).parent / "neuron-constrain"
+VOCAB, PADDED = 1000, 1024
+ARCHS = ("llama", "mixtral", "gpt_oss")
+
+
+def cli(*args: str, module: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI (console script, or ``python -m neuron_constrain``) with stdin/stderr not a TTY."""
+    command = [sys.executable, "-m", "neuron_constrain"] if module else [str(SCRIPT)]
+    return subprocess.run(
+        command + [str(a) for a in args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=300,
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess, *words: str) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def plain(workdir) -> dict[str, Path]:
+    """Greedy-step programs of the tiny decoders, exported once (fixed seed), saved as .pt2."""
+    paths = {}
+    for arch in ARCHS:
+        step = GreedyStep(tiny_decoder(arch, vocab_size=PADDED, seed=0))
+        with torch.no_grad():
+            program = torch.export.export(
+                step, (random_ids(3, 6, VOCAB),), dynamic_shapes=({0: torch.export.Dim("batch")},)
+            )
+        paths[arch] = workdir / f"{arch}.pt2"
+        torch.export.save(program, paths[arch])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def rewritten(plain, workdir) -> dict[str, Path]:
+    paths = {}
+    for arch, path in plain.items():
+        paths[arch] = workdir / f"{arch}-masked.pt2"
+        result = cli("rewrite", path, "-o", paths[arch], "--vocab-size", VOCAB)
+        assert result.returncode == 0, result.stderr
+        assert "logit_mask: 1 site(s)" in result.stdout and "input  logit_mask: int32[s" in result.stdout, result.stdout
+    return paths
+
+
+# ----------------------------------------------------------------------------- rewrite, check, golden
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rewrite_then_check_matches_golden(rewritten, arch):
+    result = cli("check", rewritten[arch], "--expect", GOLDEN / f"{arch}_greedy_logit_mask.txt", "--vocab-size", VOCAB)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok:") and "matches" in result.stdout
+
+
+def test_rewritten_program_loads_and_masks_without_the_library(rewritten):
+    program = torch.export.load(rewritten["llama"])
+    ids = random_ids(2, 6, VOCAB)
+    allowed = 7
+    mask = torch.zeros(2, 32, dtype=torch.int32)
+    mask[:, allowed // 32] = 1 << (allowed % 32)
+    token, empty = program.module()(ids, logit_mask=mask)
+    assert token.tolist() == [allowed, allowed] and not empty.any()
+
+
+def test_show_is_the_golden_text_and_diff_reads_both_forms(rewritten, workdir):
+    shown = cli("show", rewritten["mixtral"], module=True)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == (GOLDEN / "mixtral_greedy_logit_mask.txt").read_text()
+    text = workdir / "mixtral-masked.txt"
+    text.write_text(shown.stdout)
+    same = cli("diff", text, rewritten["mixtral"])
+    assert same.returncode == 0 and "same graph" in same.stdout, same.stdout + same.stderr
+
+
+def test_diff_lists_exactly_the_inserted_inputs_and_nodes(plain, rewritten):
+    from neuron_constrain import transform
+
+    report = transform(torch.export.load(plain["llama"]), vocab_size=VOCAB).report["logit_mask"]
+    result = cli("diff", plain["llama"], rewritten["llama"])
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    summary = out.split("\n\n")[0].splitlines()
+    assert "inputs: 1 added, 0 removed, 0 changed" in summary
+    assert "outputs: 1 added, 0 removed, 0 changed" in summary
+    # The mask input and the empty-row flag output (an `all` over the mask), nothing else.
+    assert [l.strip() for l in summary if l.startswith("  + ")] == [
+        "+ logit_mask: i32[s0, 32] = user_input keyword",
+        "+ all_0: b8[s0] = user_output",
+    ]
+    # The nodes the pass inserted, and only the site reading them changed.
+    assert f"nodes: {report.nodes_inserted} added, 0 removed, 1 changed" in summary
+    added = [l for l in summary if l.startswith("    + ")]
+    assert len(added) == report.nodes_inserted
+    changed = [l for l in summary if l.startswith("    ~ ")]
+    assert len(changed) == 1 and "aten.argmax.default" in changed[0]
+    assert any("masked_fill" in l and "aten.masked_fill.Scalar" in l for l in added)
+    # ... followed by a unified diff of the canonical texts.
+    assert f"--- {plain['llama']}" in out and "\n+  logit_mask: i32[s0, 32] = user_input keyword" in out
+    assert "\n@@ " in out
+
+
+def test_check_update_writes_golden_and_flags_a_changed_graph(rewritten, workdir):
+    golden = workdir / "gpt_oss-golden.txt"
+    wrote = cli("check", rewritten["gpt_oss"], "--expect", golden, "--update")
+    assert wrote.returncode == 0 and golden.exists(), wrote.stdout + wrote.stderr
+    # The llama rewrite is not the gpt_oss graph: check fails with a structural diff.
+    other = cli("check", rewritten["llama"], "--expect", golden)
+    assert other.returncode == 1, other.stdout + other.stderr
+    assert "FAIL the graph differs from" in other.stdout and "--update" in other.stdout
+    assert "nodes:" in other.stdout and "@ model.model.layers.0.mlp" in other.stdout
+
+
+# ----------------------------------------------------------------------------- unmasked sites fail
+
+def test_check_fails_on_a_program_that_was_never_rewritten(plain):
+    result = cli("check", plain["llama"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "sampling site argmax (argmax)" in result.stdout and "no 'logit_mask' input" in result.stdout
+
+
+def test_check_fails_when_a_site_reads_unmasked_logits(rewritten, workdir):
+    program = torch.export.load(rewritten["llama"])
+    argmax = next(n for n in program.graph.nodes if n.target == torch.ops.aten.argmax.default)
+    masked = argmax.args[0]
+    assert masked.target == torch.ops.aten.masked_fill.Scalar
+    argmax.replace_input_with(masked, masked.args[0])  # the site bypasses the mask again
+    program.graph_module.recompile()
+    path = workdir / "llama-bypassed.pt2"
+    torch.export.save(program, path)
+    result = cli("check", path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"does not depend on {MASK_INPUT}" in result.stdout
+
+
+def test_check_flags_a_mask_narrower_than_the_vocabulary(rewritten):
+    result = cli("check", rewritten["llama"], "--vocab-size", 1024 + 32)
+    # vocab wider than the logits: no logits of that width exist at all.
+    one_error_line(result, "no logits")
+    narrow = cli("check", rewritten["llama"], "--vocab-size", 900)
+    assert narrow.returncode == 1 and "needs ceil(V/32) = 29 columns" in narrow.stdout, narrow.stdout
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+
+def test_missing_file(workdir):
+    one_error_line(cli("show", workdir / "nope.pt2"), "nope.pt2", "no such file")
+
+
+def test_empty_file(workdir):
+    path = workdir / "empty.pt2"
+    path.write_bytes(b"")
+    one_error_line(cli("check", path), "is empty", "torch.export.save")
+
+
+def test_random_bytes(workdir):
+    path = workdir / "random.pt2"
+    path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).numpy().tobytes())
+    one_error_line(cli("rewrite", path, "-o", workdir / "out.pt2"), "not a .pt2 archive")
+
+
+def test_truncated_pt2(plain, workdir):
+    path = workdir / "truncated.pt2"
+    data = plain["llama"].read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    one_error_line(cli("show", path), "not a .pt2 archive", "truncated")
+
+
+def test_corrupt_pt2(plain, workdir):
+    path = workdir / "corrupt.pt2"
+    data = bytearray(plain["llama"].read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 256] = bytes(256)
+    path.write_bytes(bytes(data))
+    one_error_line(cli("diff", plain["llama"], path), "corrupt", "checksum")
+
+
+def test_zip_that_is_not_an_exported_program(workdir):
+    path = workdir / "state_dict.pt2"
+    torch.save({"w": torch.zeros(2)}, path)
+    one_error_line(cli("show", path), "not a loadable exported program")
+
+
+def test_program_without_logits(workdir):
+    class Narrow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.proj(x).argmax(-1)
+
+    path = workdir / "narrow.pt2"
+    torch.export.save(torch.export.export(Narrow(), (torch.randn(2, 16),)), path)
+    one_error_line(cli("rewrite", path, "-o", workdir / "narrow-out.pt2"), "found no logits")
+    one_error_line(cli("check", path), "no logits")
+
+
+def test_unknown_pass(plain, workdir):
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--passes", "logit_mask,fuse_everything"),
+                   "unknown pass 'fuse_everything'", "logit_mask")
+
+
+def test_tap_pass_is_not_available_yet(plain, workdir):
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--tap", "*.router"),
+                   "replacement-tap pass is not available yet")
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--passes", "replacement_tap"),
+                   "replacement-tap pass is not available yet")
+
+
+def test_conflicting_flags(plain, workdir):
+    one_error_line(cli("check", plain["llama"], "--update"), "--update", "--expect")
+    one_error_line(cli("rewrite", plain["llama"], "-o", plain["llama"]), "is the input file")
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--logit-mask", "sparse"), "invalid choice")
+
+
+def test_pass_option_that_does_not_fit_the_graph(plain, rewritten, workdir):
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--vocab-size", 5000), "vocab_size=5000")
+    one_error_line(cli("rewrite", rewritten["llama"], "-o", workdir / "x.pt2"), "applied already")
+
+
+def test_debug_shows_the_traceback(workdir):
+    path = workdir / "empty-debug.pt2"
+    path.write_bytes(b"")
+    result = cli("--debug", "show", path)
+    assert result.returncode != 0 and "Traceback" in result.stderr

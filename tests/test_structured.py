@@ -1,0 +1,323 @@
+"""The structured-outputs runtime: mixed batches against per-request xgrammar masks,
+regex / choice / EBNF / tool calling end to end, the enable switch, and the errors."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neuron_constrain import structured as S
+from neuron_constrain.kernels import unpack_bitmask
+from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer
+
+MODEL_VOCAB = 768
+BATCH = torch.export.Dim("batch")
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["location", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 12}}, "required": ["query"]},
+    },
+}
+TOOLS = [WEATHER, SEARCH]
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def greedy(vocab):
+    model = tiny_decoder("llama", vocab_size=MODEL_VOCAB, seed=1)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    step = GreedyStep(model)
+    enabled = S.transform_decoder(step, (ids,), vocab_size=vocab.vocab_size, dynamic_shapes=({0: BATCH},))
+    disabled = S.transform_decoder(
+        step, (ids,), vocab_size=vocab.vocab_size, enable_structured_outputs=False, dynamic_shapes=({0: BATCH},)
+    )
+    return enabled, disabled
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_regex_choice_ebnf_outputs_match(greedy, vocab):
+    enabled, _ = greedy
+    patterns = [r"[a-z]{2,5}@[a-z]{2,4}\.com", r"(19|20)[0-9]{2}-[01][0-9]", r"-?[0-9]{1,3}(\.[0-9])?", r"(yes|no), [A-Z][a-z]{0,6}\."]
+    choices = [["yes", "no", "maybe"], ["red", "green", "blue", 'say "hi"'], ["café", "naïve", "a\\b"]]
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
+    constraints = [S.regex(p) for p in patterns] + [S.choice(c) for c in choices] + [S.ebnf(grammar)]
+    result = S.generate(enabled, ["pick:", "x"] * 4, constraints, 30, tokenizer=vocab)
+    for constraint, out in zip(constraints, result.outputs):
+        assert out.finish_reason == "stop", (constraint.describe(), out.text)
+        assert S.validate_output(constraint, out.text) is None, (constraint.describe(), out.text)
+    assert re.fullmatch(r"\(([0-9]|x)(,([0-9]|x))*\)", result.outputs[-1].text)
+
+
+def test_tool_choice_required_and_named(greedy, vocab):
+    enabled, _ = greedy
+    required = S.tool_constraint(TOOLS, "required")
+    named = S.tool_constraint(TOOLS, {"type": "function", "function": {"name": "search"}})
+    result = S.generate(enabled, ["call a tool", "search"], [required, named], 60, tokenizer=vocab)
+    for choice_, out in zip(["required", {"type": "function", "function": {"name": "search"}}], result.outputs):
+        assert out.finish_reason == "stop", out.text
+        content, calls = S.parse_tool_calls(out.text, TOOLS, choice_)
+        assert content == "" and calls
+        for call in calls:
+            import jsonschema
+
+            params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.name]
+            jsonschema.validate(call.arguments, params)
+    assert S.parse_tool_calls(result.outputs[1].text, TOOLS, {"type": "function", "function": {"name": "search"}})[1][0].name == "search"
+
+
+def test_tool_choice_auto_and_none_parse_free_text():
+    assert S.tool_constraint(TOOLS, "auto") is None and S.tool_constraint(TOOLS, "none") is None
+    text = 'Let me check. {"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}} and {"x": 1} done'
+    content, calls = S.parse_tool_calls(text, TOOLS, "auto")
+    assert [c.name for c in calls] == ["get_weather"] and calls[0].arguments["location"] == "Paris"
+    assert content == 'Let me check.  and {"x": 1} done'
+    content, calls = S.parse_tool_calls('[{"name": "search", "parameters": {"query": "q"}}, {"name": "search", "arguments": "{\\"query\\": \\"r\\"}"}]', TOOLS)
+    assert [c.arguments["query"] for c in calls] == ["q", "r"] and content == ""
+    assert S.parse_tool_calls(text, TOOLS, "none") == (text, [])
+    assert S.parse_tool_calls('{"name": "unknown", "arguments": {}} {broken', TOOLS)[1] == []
+
+
+def test_padded_columns_never_chosen_unconstrained(greedy, vocab):
+    enabled, _ = greedy
+    result = S.generate(enabled, ["a", "b", "c", "d"], [None] * 4, 20, tokenizer=vocab)
+    assert all(t < vocab.vocab_size for out in result.outputs for t in out.tokens)
+    assert len(result.step_host_seconds) == max(len(o.tokens) for o in result.outputs)
+
+
+# ----------------------------------------------------------------------------- enable switch
+
+
+def test_disabled_graph_has_no_mask_and_refuses_constraints(greedy, vocab):
+    enabled, disabled = greedy
+    assert [i.name for i in enabled.report.inputs_added] == ["logit_mask"]
+    assert disabled.report.inputs_added == [] and "logit_mask" not in disabled.report.passes
+    with pytest.raises(S.StructuredOutputsDisabledError, match="enable_structured_outputs=True"):
+        S.generate(disabled, ["a", "b"], [None, S.json_schema({"type": "boolean"})], 5, tokenizer=vocab)
+    runtime = S.StructuredRuntime.for_model(disabled, vocab.info, max_rows=2)
+    assert not runtime.enabled
+    runtime.add("plain")
+    assert runtime.step(["plain"]) is None
+    with pytest.raises(S.StructuredOutputsDisabledError, match="request 'r'"):
+        runtime.add("r", S.regex("[0-9]+"))
+    # Unconstrained traffic runs: the same tokens as the enabled graph fed all-allowed rows.
+    ids = torch.randint(0, vocab.vocab_size, (3, 8), generator=torch.Generator().manual_seed(0))
+    plain = disabled(ids)
+    masked = enabled(ids)
+    ok = plain < vocab.vocab_size
+    assert torch.equal(plain[ok], masked[ok])
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_disallowed_token_names_request_and_token_and_changes_nothing(vocab):
+    runtime = S.StructuredRuntime(vocab.info, max_rows=4)
+    runtime.add("req-7", S.choice(["yes", "no"]))
+    before = runtime.step(["req-7"]).clone()
+    bad = vocab.encode("x")[0]
+    with pytest.raises(S.DisallowedTokenError, match=r"request 'req-7' .* got token %d \(b'x'\)" % bad) as info:
+        runtime.accept("req-7", [vocab.encode("y")[0], bad])
+    assert info.value.request_id == "req-7" and info.value.token == bad
+    assert torch.equal(runtime.step(["req-7"]), before)  # the good "y" was rolled back too
+    with pytest.raises(S.DisallowedTokenError, match="vocab_size=%d" % vocab.vocab_size):
+        runtime.accept("req-7", [vocab.vocab_size + 3])  # a padded lm_head column
+    assert runtime.accept("req-7", vocab.encode("no") + [vocab.eos_id])
+    assert runtime.accept("req-7", [vocab.eos_id])  # a finished request padding its slot
+    with pytest.raises(S.DisallowedTokenError, match="already finished"):
+        runtime.accept("req-7", [bad])
+
+
+def test_layout_errors(vocab):
+    runtime = S.StructuredRuntime(vocab.info, max_rows=3)
+    runtime.add("a", S.regex("[0-9]+"))
+    runtime.add("b")
+    with pytest.raises(S.BatchLayoutError, match="request 'zz' is not in the runtime"):
+        runtime.step(["a", "zz"])
+    with pytest.raises(S.BatchLayoutError, match="names a request twice"):
+        runtime.step(["a", "a"])
+    with pytest.raises(S.BatchLayoutError, match=r"needs 4 mask rows .* max_rows>=4"):
+        runtime.step(["a", "b"], drafts={"a": [1, 2]})
+    with pytest.raises(S.BatchLayoutError, match="draft token 99999"):
+        runtime.step(["a"], drafts={"a": [vocab.encode("1")[0], 99999]})
+    assert runtime.step(["a"]).shape == (1, runtime.width)  # the failed draft was rolled back
+    with pytest.raises(S.BatchLayoutError, match="already in the runtime"):
+        runtime.add("a")
+    runtime.remove("a")
+    with pytest.raises(S.BatchLayoutError, match="never added, or removed already"):
+        runtime.remove("a")
+    with pytest.raises(S.BatchLayoutError, match="one token per request"):
+        runtime.accept_rows(["b"], [1, 2])
+
+
+def test_width_mismatch_and_bad_constraints(greedy, vocab):
+    enabled, _ = greedy
+    with pytest.raises(ValueError, match=r"transform with vocab_size=1000"):
+        S.StructuredRuntime.for_model(enabled, toy_tokenizer(1000).info, max_rows=2)
+    runtime = S.StructuredRuntime(vocab.info, max_rows=1)
+    with pytest.raises(S.ConstraintError, match="could not compile this regex"):
+        runtime.add("r", S.regex("(unclosed"))
+    with pytest.raises(S.ConstraintError, match="non-empty strings"):
+        S.choice([])
+    with pytest.raises(S.ConstraintError, match="add it to tools"):
+        S.tool_constraint(TOOLS, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(S.ConstraintError, match="not an OpenAI function tool"):
+        S.tool_constraint([{"name": "x"}], "required")
+    with pytest.raises(S.ConstraintError, match="no tools"):
+        S.tool_constraint([], "required")
+
+
+def test_length_bounded_strings_reject_control_characters(vocab):
+    """xgrammar 0.2.8 lets raw control characters into minLength/maxLength strings; we do not."""
+    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
+    for compact in (True, False):
+        constraint = S.json_schema({"type": ["string", "null"], "maxLength": 4}, compact=compact)
+        assert not xgr.GrammarMatcher(constraint.compile(compiler)).accept_string('"a\x06')
+        assert xgr.GrammarMatcher(constraint.compile(compiler)).accept_string('"a\u00e9"')
+    raw = compiler.compile_json_schema({"type": ["string", "null"], "maxLength": 4}, any_whitespace=False)
+    assert xgr.GrammarMatcher(raw).accept_string('"a\x06')  # the upstream behaviour this guards against
+
+
+# ----------------------------------------------------------------------------- mixed batches
+
+
+POOL = [
+    S.json_schema({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}}, "required": ["a"]}),
+    S.json_schema({"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]}, compact=False),
+    S.regex(r"[a-c]{1,4}(x|yz)?"),
+    S.choice(["yes", "no", "maybe"]),
+    S.any_json(),
+    None,
+    None,
+]
+
+
+class _Reference:
+    """The per-request truth: a fresh xgrammar matcher per row over the accepted history."""
+
+    def __init__(self, vocab, compiled):
+        self.vocab, self.compiled = vocab, compiled
+        self.history: list[int] = []
+        self.finished = False
+
+    def _matcher(self, tokens):
+        matcher = xgr.GrammarMatcher(self.compiled)
+        for token in tokens:
+            if not matcher.accept_token(token):
+                return None
+        return matcher
+
+    def row(self, drafts_before: list[int]) -> torch.Tensor:
+        """Allowed tokens [V] after history + the longest prefix of drafts the grammar takes."""
+        accepted = []
+        for token in drafts_before:
+            if self._matcher(self.history + accepted + [token]) is None:
+                break
+            accepted.append(token)
+        matcher = self._matcher(self.history + accepted)
+        if self.finished or matcher.is_terminated():
+            allowed = torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
+            allowed[self.vocab.eos_id] = True
+            return allowed
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        return unpack_bitmask(bitmask[0], self.vocab.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def compiled(vocab):
+    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
+    return [None if c is None else c.compile(compiler) for c in POOL]
+
+
+@settings(max_examples=30)
+@given(data=st.data())
+def test_mixed_batch_rows_equal_per_request_masks(vocab, compiled, data):
+    V = vocab.vocab_size
+    runtime = S.StructuredRuntime(vocab.info, max_rows=12)
+    references: dict[int, _Reference | None] = {}
+    kinds: dict[int, int] = {}
+    next_id = 0
+    for _ in range(data.draw(st.integers(2, 7), label="steps")):
+        # join
+        for kind in data.draw(st.lists(st.integers(0, len(POOL) - 1), min_size=0 if references else 1, max_size=3), label="join"):
+            runtime.add(next_id, POOL[kind])
+            references[next_id] = None if POOL[kind] is None else _Reference(vocab, compiled[kind])
+            kinds[next_id] = kind
+            next_id += 1
+        # leave (finished or not)
+        for request in data.draw(st.lists(st.sampled_from(sorted(references)), unique=True, max_size=2), label="leave"):
+            if len(references) > 1:
+                runtime.remove(request)
+                del references[request]
+        batch = data.draw(st.permutations(sorted(references)), label="order")[: data.draw(st.integers(1, 5))]
+        drafts: dict[int, list[int]] = {}
+        for request in batch:
+            reference = references[request]
+            count = data.draw(st.integers(0, 2), label="drafts")
+            tokens = []
+            for _ in range(count):
+                if reference is not None and data.draw(st.booleans(), label="valid draft"):
+                    allowed = reference.row(tokens).nonzero().flatten().tolist()
+                    tokens.append(data.draw(st.sampled_from(allowed)))
+                else:
+                    tokens.append(data.draw(st.integers(0, V - 1)))
+            if tokens:
+                drafts[request] = tokens
+        if sum(1 + len(drafts.get(r, ())) for r in batch) > runtime.max_rows:
+            continue
+        mask = runtime.step(batch, drafts)
+        row = 0
+        for request in batch:
+            draft = drafts.get(request, [])
+            for i in range(1 + len(draft)):
+                if references[request] is None:
+                    assert bool((mask[row] == -1).all()), f"unconstrained request {request} row {i} is not -1"
+                else:
+                    want = references[request].row(draft[:i])
+                    got = unpack_bitmask(mask[row], V)
+                    assert torch.equal(got, want), f"request {request} ({POOL[kinds[request]].describe()}) row {i} drafts {draft}"
+                row += 1
+        assert row == mask.shape[0]
+        # accept a sampled token per request (sometimes the stop token when it is allowed)
+        for request in batch:
+            reference = references[request]
+            if reference is None:
+                token = data.draw(st.sampled_from([vocab.eos_id, 65, 700]), label="free token")
+                runtime.accept(request, [token])
+                if token == vocab.eos_id:
+                    runtime.remove(request)
+                    del references[request]
+                continue
+            allowed = reference.row([]).nonzero().flatten().tolist()
+            token = vocab.eos_id if vocab.eos_id in allowed and data.draw(st.booleans()) else data.draw(st.sampled_from(allowed))
+            finished = runtime.accept(request, [token])
+            if not reference.finished:
+                reference.history.append(token)
+            reference.finished = reference.finished or token == vocab.eos_id
+            assert finished == reference.finished
+
