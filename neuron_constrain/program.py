@@ -71,12 +71,6 @@ class ProgramEditor:
         self._new_outputs: list[torch.fx.Node] = []
 
     # ------------------------------------------------------------------ queries
-    def node(self, name: str) -> torch.fx.Node:
-        for n in self.graph.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
-
     @property
     def output_node(self) -> torch.fx.Node:
         return next(n for n in reversed(self.graph.nodes) if n.op == "output")
