@@ -33,6 +33,10 @@ test-latest: .venv-latest/.installed
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_kernels.py
 	.venv/bin/python benchmarks/bench_logit_mask.py
+	.venv/bin/python benchmarks/bench_processors.py
+	.venv/bin/python benchmarks/bench_taps.py
+	.venv/bin/python benchmarks/bench_compile.py
+	.venv/bin/python benchmarks/bench_host.py
 
 clean:
 	rm -rf .venv .venv-latest build *.egg-info benchmarks/results

@@ -10,9 +10,6 @@ for 2, 4 and 8 layers to show it grows linearly with the graph.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import statistics
 import time
 
 import torch
@@ -20,6 +17,7 @@ import torch
 import neuron_constrain as nc
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
+from timing import interleaved, median_ms, ratio, write_results
 
 BATCH_DIM = torch.export.Dim("batch")
 
@@ -43,25 +41,15 @@ def step_ratio(name: str, reps: int, **config) -> dict:
     allowed[:, 0] = True
     mask = pack_bool_mask(allowed)
     runs = {"unconstrained": lambda: plain(ids), "constrained": lambda: transformed(ids, logit_mask=mask)}
-    times = {k: [] for k in runs}
-    with torch.no_grad():
-        for fn in runs.values():
-            fn()
-        for _ in range(reps):
-            for key, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: min(v) for k, v in times.items()}
+    times = interleaved(runs, reps)
+    ms = median_ms(times)
     return {
         "decoder": name,
         "config": config,
         "batch": ids.shape[0],
-        "unconstrained_ms": med["unconstrained"] * 1e3,
-        "constrained_ms": med["constrained"] * 1e3,
-        "ratio_median": med["constrained"] / med["unconstrained"],
-        "ratio_min": low["constrained"] / low["unconstrained"],
+        "unconstrained_ms": ms["unconstrained"],
+        "constrained_ms": ms["constrained"],
+        **ratio(times, "constrained", "unconstrained"),
         "transform_s": transform_s,
         "mask_bytes_per_row": mask.shape[-1] * 4,
     }
@@ -89,8 +77,6 @@ def main() -> None:
             step_ratio("medium", reps, vocab_size=128256, hidden_size=1024, layers=8, intermediate_size=2048),
         ],
         "transform_scaling": transform_scaling(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
     }
     print(f"{'decoder':8} {'batch':>5} {'uncon ms':>9} {'con ms':>9} {'ratio(med)':>10} {'ratio(min)':>10} {'transform s':>11}")
     for r in results["steps"]:
@@ -101,10 +87,7 @@ def main() -> None:
     print("transform time vs layers:")
     for r in results["transform_scaling"]:
         print(f"  {r['layers']} layers, {r['nodes']} nodes: {r['transform_s']:.3f} s")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

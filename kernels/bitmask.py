@@ -27,6 +27,8 @@ __all__ = [
     "packed_width",
     "unpack_bitmask",
     "allowed_columns",
+    "shard_columns",
+    "allowed_shard_columns",
     "apply_bitmask",
     "apply_bool_mask",
     "masked_argmax",
@@ -100,6 +102,44 @@ def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = Non
             )
         return _fit_width(mask, width)
     return _fit_width(unpack_bitmask(mask, vocab_size), width)
+
+
+def shard_columns(rank: torch.Tensor, shard_width: int) -> torch.Tensor:
+    """int64 ``[shard_width]``: the global vocab columns ``rank * shard_width + arange(shard_width)``.
+
+    ``rank`` is an integer tensor of shape ``[]`` or ``[1]`` (a graph input, so one
+    program serves every rank of a vocab-parallel lm_head).
+    """
+    start = rank.reshape(-1).to(torch.int64) * shard_width
+    return start + torch.arange(shard_width, dtype=torch.int64, device=rank.device)
+
+
+def allowed_shard_columns(
+    mask: torch.Tensor, shard_width: int, vocab_size: int, rank: torch.Tensor
+) -> torch.Tensor:
+    """A full-vocab packed (int32) or bool mask -> bool ``[..., shard_width]`` for one vocab shard.
+
+    Rank ``r`` of a vocab-parallel lm_head owns columns ``[r * shard_width, (r + 1) *
+    shard_width)``; the mask is gathered at those global columns (the word ``c // 32``,
+    ANDed with the bit ``c % 32``), so a shard may start mid-word. Columns at or past
+    ``vocab_size`` (the padded last shard, a padded lm_head) are disallowed.
+    """
+    if mask.dtype == torch.bool:
+        if mask.shape[-1] != vocab_size:
+            raise ValueError(
+                f"bool logit mask has {mask.shape[-1]} columns but vocab_size={vocab_size}; "
+                f"pass vocab_size={mask.shape[-1]} or a mask of width {vocab_size}"
+            )
+    else:
+        _check_packed(mask, vocab_size)
+    columns = shard_columns(rank, shard_width)
+    real = columns < vocab_size
+    safe = torch.where(real, columns, 0)  # padding columns read token 0, then are forced off
+    if mask.dtype == torch.bool:
+        return mask.index_select(-1, safe).logical_and(real)
+    words = mask.index_select(-1, torch.div(safe, BITS_PER_WORD, rounding_mode="floor"))
+    bits = _bit_values(mask.device).index_select(0, torch.remainder(safe, BITS_PER_WORD))
+    return torch.bitwise_and(words, bits).ne(0).logical_and(real)
 
 
 def apply_bitmask(logits: torch.Tensor, packed: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:

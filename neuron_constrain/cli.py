@@ -1,10 +1,11 @@
 """``neuron-constrain`` command line: rewrite saved programs (``.pt2``) and guard them in CI.
 
     neuron-constrain rewrite IN.pt2 -o OUT.pt2 [--logit-mask packed|bool] [--vocab-size N]
-                                              [--empty-row flag|TOKEN] [--passes logit_mask]
+                                              [--empty-row flag|TOKEN] [--tp-degree N] [--passes logit_mask]
     neuron-constrain show IN.pt2                      # canonical graph text
     neuron-constrain diff A B                         # .pt2 or canonical text; exit 1 if different
     neuron-constrain check IN.pt2 [--expect GOLDEN.txt [--update]]
+    neuron-constrain hlo IN.pt2 [-o OUT.hlo.txt]        # HLO text via torch-xla (the mask is a parameter)
     neuron-constrain demo
 
 Exit status: 0 ok, 1 a check failed or the graphs differ, 2 bad usage or unreadable
@@ -24,9 +25,8 @@ import zipfile
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-# Passes `rewrite --passes` can run, and the ones planned but not written yet.
-PASSES = ("logit_mask",)
-PLANNED_PASSES = {"replacement_tap": "the replacement-tap pass is not available yet"}
+# Passes `rewrite --passes` can run, in the order they run.
+PASSES = ("taps", "logit_mask")
 
 
 class UsageError(Exception):
@@ -127,15 +127,17 @@ def _read_graph(path: str, progress: _Progress, debug: bool):
 
 # ----------------------------------------------------------------------------- commands
 
-def _parse_passes(values: list[str] | None) -> list[str]:
+def _parse_passes(values: list[str] | None, taps: list[str] | None) -> list[str]:
     if values is None:
-        return list(PASSES)
+        return ["taps", "logit_mask"] if taps else ["logit_mask"]
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
     if not names:
         raise UsageError(f"--passes names no pass; choose from {', '.join(PASSES)}")
+    if taps and "taps" not in names:
+        raise UsageError("--tap configures the taps pass, which --passes leaves out; add taps to --passes")
+    if "taps" in names and not taps:
+        raise UsageError("--passes taps needs at least one --tap PATTERN (e.g. --tap 'model.layers.*.mlp.router')")
     for name in names:
-        if name in PLANNED_PASSES:
-            raise UsageError(f"--passes {name}: {PLANNED_PASSES[name]}; available: {', '.join(PASSES)}")
         if name not in PASSES:
             raise UsageError(f"unknown pass {name!r}; available: {', '.join(PASSES)}")
     return names
@@ -154,12 +156,9 @@ def _parse_empty_row(value: str) -> str | int:
 
 
 def _rewrite(args: argparse.Namespace) -> int:
-    if args.tap:
-        raise UsageError(
-            f"--tap {args.tap[0]!r}: {PLANNED_PASSES['replacement_tap']}; rewrite without --tap for now"
-        )
-    passes = _parse_passes(args.passes)
-    mask_options = {"--logit-mask": args.logit_mask, "--vocab-size": args.vocab_size, "--empty-row": args.empty_row}
+    passes = _parse_passes(args.passes, args.tap)
+    mask_options = {"--logit-mask": args.logit_mask, "--vocab-size": args.vocab_size, "--empty-row": args.empty_row,
+                    "--tp-degree": args.tp_degree}
     given = [flag for flag, value in mask_options.items() if value is not None]
     if "logit_mask" not in passes and given:
         raise UsageError(f"{', '.join(given)} configure the logit_mask pass, which --passes leaves out; add it to --passes")
@@ -186,6 +185,8 @@ def _rewrite(args: argparse.Namespace) -> int:
                 logit_mask=(args.logit_mask or "packed") if "logit_mask" in passes else None,
                 vocab_size=args.vocab_size,
                 empty_row=empty_row,
+                tp_degree=args.tp_degree or 1,
+                taps=args.tap if "taps" in passes else (),
             )
         except TransformError as e:
             if args.debug:
@@ -224,7 +225,7 @@ def check_program(program, vocab_size: int | None = None) -> list[str]:
     from torch.export.graph_signature import InputKind
 
     from neuron_constrain.canonical import _keyword_inputs
-    from neuron_constrain.passes.mask_logits_pass import MASK_INPUT
+    from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT
     from torch.export.graph_signature import OutputKind
     from neuron_constrain.sites import module_path, plan_mask_points
 
@@ -234,12 +235,18 @@ def check_program(program, vocab_size: int | None = None) -> list[str]:
     except Exception as e:  # the verifier's own message says what is wrong
         failures.append(f"torch's verifier rejects the program: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
 
+    failures += check_taps(program)
     graph = program.graph
+    user_inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    if MASK_INPUT not in user_inputs and any(n.startswith("tap_") for n in user_inputs):
+        return failures  # a taps-only rewrite: nothing to say about sampling
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     user_outputs = [
         o for o, s in zip(output.args[0], program.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
     ]
-    plan = plan_mask_points(graph, user_outputs, vocab_size)
+    # A vocab-parallel program (a tp_rank input) has one rank's shard of the logits and the full mask.
+    sharded = any(s.kind == InputKind.USER_INPUT and s.arg.name == RANK_INPUT for s in program.graph_signature.input_specs)
+    plan = plan_mask_points(graph, user_outputs, None if sharded else vocab_size)
     if plan is None:
         raise UsageError(
             "the program has no logits (no vocabulary projection feeding a sampler or an output); "
@@ -279,7 +286,7 @@ def check_program(program, vocab_size: int | None = None) -> list[str]:
         if val.dtype == torch.int32:
             vocab = vocab_size if vocab_size is not None else width
             want = math.ceil(vocab / 32)
-            ok = columns == want if vocab_size is not None else 0 < columns <= want
+            ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= want)
             if not ok:
                 failures.append(
                     f"{MASK_INPUT} is packed int32 with {columns} columns but the logits are {width} wide"
@@ -288,7 +295,7 @@ def check_program(program, vocab_size: int | None = None) -> list[str]:
                 )
         elif val.dtype == torch.bool:
             want = vocab_size if vocab_size is not None else width
-            ok = columns == want if vocab_size is not None else 0 < columns <= width
+            ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= width)
             if not ok:
                 failures.append(
                     f"{MASK_INPUT} is bool with {columns} columns but needs {want} (one per token"
@@ -298,6 +305,44 @@ def check_program(program, vocab_size: int | None = None) -> list[str]:
             failures.append(f"{MASK_INPUT} has dtype {val.dtype}; the pass makes int32 (packed) or bool masks")
     if MASK_INPUT not in _keyword_inputs(program):
         failures.append(f"{MASK_INPUT} is not a keyword input of the program; callers pass it as {MASK_INPUT}=")
+    return failures
+
+
+def check_taps(program) -> list[str]:
+    """Every tap input pair feeds a ``where(enabled, replacement, computed)`` that all
+    readers of the computed value go through (capture outputs excepted)."""
+    import torch
+    from torch.export.graph_signature import InputKind
+
+    from neuron_constrain.passes.replacement_tap_pass import RANK_INPUT
+
+    user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    nodes = {n.name: n for n in program.graph.nodes}
+    failures = []
+    for name in user_inputs:
+        if not name.startswith("tap_") or name.endswith("_enabled") or name == RANK_INPUT:
+            continue
+        enabled = nodes.get(name + "_enabled")
+        if enabled is None:
+            failures.append(f"tap input {name} has no {name}_enabled flag: rows cannot be switched; rewrite again")
+            continue
+        val = enabled.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+            failures.append(f"{name}_enabled must be a bool tensor over the tapped value's rows")
+        wheres = [
+            n for n in program.graph.nodes
+            if n.target is torch.ops.aten.where.self and _depends_on(n.args[0], enabled) and _depends_on(n.args[1], nodes[name])
+        ]
+        if not wheres:
+            failures.append(f"tap {name}: no where({name}_enabled, {name}, computed) node; the replacement is never used")
+            continue
+        computed = wheres[0].args[2]
+        bypass = [u.name for u in computed.users if u is not wheres[0] and u.op != "output"]
+        if bypass:
+            failures.append(
+                f"tap {name}: {', '.join(bypass)} read{'s' if len(bypass) == 1 else ''} {computed.name} directly, "
+                "bypassing the tap: a replacement would not reach them; rewrite the original program again"
+            )
     return failures
 
 
@@ -354,6 +399,43 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _hlo(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from neuron_constrain.xla import _INSTALL
+
+    if importlib.util.find_spec("torch_xla") is None:
+        raise UsageError(_INSTALL["torch_xla"])
+    if args.output is not None:
+        out_dir = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(out_dir):
+            raise UsageError(f"-o {args.output}: directory {out_dir} does not exist; create it first")
+    progress = _Progress()
+    program = load_program(args.input, progress, args.debug)
+    from neuron_constrain.xla import lower
+
+    with progress.step("lowering to HLO"):
+        try:
+            lowering = lower(program)
+        except ValueError as e:
+            if args.debug:
+                raise
+            raise UsageError(f"{args.input}: {e}") from e
+    if args.output is None:
+        sys.stdout.write(lowering.text)
+        return EXIT_OK
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(lowering.text)
+    print(f"{args.input} -> {args.output}: {len(lowering.parameters)} parameters")
+    from neuron_constrain.program import user_input_names
+
+    inputs = set(user_input_names(program))
+    for parameter in lowering.parameters:  # the program's inputs; the rest are weights and scalars
+        if parameter.name in inputs:
+            print(f"  {parameter}")
+    return EXIT_OK
+
+
 def _demo(args: argparse.Namespace) -> int:
     from neuron_constrain.demo import run_demo
 
@@ -378,8 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the tokenizer's vocabulary when the lm_head is padded past it")
     rewrite.add_argument("--empty-row", default=None, metavar="flag|TOKEN",
                          help="a row that allows nothing: 'flag' (extra output, default) or emit TOKEN")
+    rewrite.add_argument("--tp-degree", type=int, default=None, metavar="N",
+                         help="the program is one rank's step of a vocab-parallel lm_head sharded N ways: "
+                              "the full mask plus a tp_rank input")
     rewrite.add_argument("--tap", action="append", metavar="PATTERN",
-                         help="replace matching intermediate tensors at run time (not available yet)")
+                         help="tap the outputs of modules matching PATTERN (e.g. 'model.layers.*.mlp.router', "
+                              "'...router:1' for output 1) so reference tensors can replace them at run time")
     rewrite.add_argument("--passes", action="append", metavar="NAME[,NAME]",
                          help=f"passes to run (default: all); available: {', '.join(PASSES)}")
     rewrite.set_defaults(func=_rewrite)
@@ -400,6 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--vocab-size", type=int, default=None,
                        help="the tokenizer's vocabulary: check the mask width exactly against it")
     check.set_defaults(func=_check)
+
+    hlo = sub.add_parser("hlo", help="lower a saved program to HLO text with torch-xla (on its example inputs)")
+    hlo.add_argument("input", metavar="IN.pt2")
+    hlo.add_argument("-o", "--output", metavar="OUT.hlo.txt", help="write the HLO here (default: stdout)")
+    hlo.set_defaults(func=_hlo)
 
     demo = sub.add_parser("demo", help="constrained decoding on a tiny random-weight decoder")
     demo.add_argument("--seed", type=int, default=0)

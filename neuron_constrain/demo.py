@@ -1,6 +1,7 @@
 """``neuron-constrain demo``: the logit-mask pass end to end on a tiny random-weight Llama,
 then structured outputs (JSON schema, regex, choice, a required tool call) generated
-through it by :mod:`neuron_constrain.structured`."""
+through it by :mod:`neuron_constrain.structured`, then replacement taps feeding a
+tiny GPT-OSS the router logits of a reference model."""
 from __future__ import annotations
 
 import time
@@ -50,7 +51,34 @@ def run_demo(seed: int = 0) -> int:
     print(f"step time constrained/unconstrained (same exported program, with and without the pass): "
           f"{constrained_s / unconstrained_s:.3f}")
     structured_ok = run_structured_demo(seed)
-    return 0 if ok and torch.equal(plain, unconstrained) and structured_ok else 1
+    taps_ok = run_taps_demo(seed)
+    return 0 if ok and torch.equal(plain, unconstrained) and structured_ok and taps_ok else 1
+
+
+def run_taps_demo(seed: int = 0) -> bool:
+    """Router taps on a tiny GPT-OSS fed from a reference whose routers differ; True when
+    validation fails without the replacement and passes with it."""
+    import copy
+
+    from neuron_constrain.replacement import TensorReplacer, capture, logit_validation
+    from neuron_constrain.testing import LogitsStep
+
+    print("\n== replacement taps: GPT-OSS router logits from a reference model")
+    model = tiny_decoder("gpt_oss", vocab_size=256, seed=seed)
+    reference = copy.deepcopy(model)
+    for layer in reference.model.layers:  # the reference differs in its routers only
+        torch.nn.init.normal_(layer.mlp.router.weight, std=1.0)
+    router = "model.layers.*.mlp.router"
+    dims = ({0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1, max=64)},)
+    tapped = transform(LogitsStep(model), (random_ids(2, 4, 256),), dynamic_shapes=dims, logit_mask=None, taps=[router])
+    print(tapped.report["taps"].summary())
+    prompts = [[3, 14, 15, 92, 65], [27, 18, 28]]
+    replacer = TensorReplacer(capture(LogitsStep(reference), prompts, [router], max_new_tokens=6), prompts)
+    without = logit_validation(tapped, LogitsStep(reference), prompts, max_new_tokens=6)
+    with_taps = logit_validation(tapped, LogitsStep(reference), prompts, max_new_tokens=6, replacer=replacer, atol=1e-4)
+    print("taps off: " + without.summary())
+    print("taps fed from the reference's captures: " + with_taps.summary())
+    return with_taps.passed and not without.passed
 
 
 DEMO_SCHEMA = {

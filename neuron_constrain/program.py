@@ -101,6 +101,13 @@ class ProgramEditor:
         self._new_inputs.append((node, example))
         return node
 
+    def add_tensor_input(self, name: str, shape: Sequence, dtype: torch.dtype, fill, device=None) -> torch.fx.Node:
+        """:meth:`add_input` for a tensor of ``shape`` (ints and the program's SymInts);
+        its example is filled with ``fill`` at the sizes the program was exported with."""
+        val = self.fake(lambda: torch.empty(tuple(shape), dtype=dtype, device=device))
+        hints = tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in shape)
+        return self.add_input(name, val, torch.full(hints, fill, dtype=dtype))
+
     def add_output(self, node: torch.fx.Node) -> None:
         """Append ``node`` as a new user output (returned after the original outputs)."""
         self._new_outputs.append(node)
@@ -196,11 +203,11 @@ class ProgramEditor:
             root=self.module,
             graph=self.graph,
             graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
-            state_dict=old.state_dict,
+            state_dict=dict(old.state_dict),  # a shallow copy: move_to_device_pass edits it in place
             range_constraints=old.range_constraints,
             module_call_graph=call_graph,
             example_inputs=example_inputs,
-            constants=old.constants,
+            constants=dict(old.constants),
             verifiers=[old.verifier],
         )
 

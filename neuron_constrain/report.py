@@ -7,7 +7,12 @@ from typing import Any
 import sympy
 import torch
 
-__all__ = ["AddedInput", "PassReport", "TransformReport", "evaluate_dim"]
+__all__ = ["AddedInput", "PassReport", "TransformReport", "evaluate_dim", "symbolic_shape"]
+
+
+def symbolic_shape(shape) -> tuple:
+    """A fake tensor's shape as ints and sympy expressions (what :class:`AddedInput` stores)."""
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in shape)
 
 
 def evaluate_dim(dim: int | sympy.Expr, bindings: dict) -> Any:
@@ -41,7 +46,9 @@ class AddedInput:
     ``shape`` holds ints and sympy expressions over the program's input sizes;
     ``fill`` is the value of the tensor fed when the caller passes nothing (an
     all-allowed mask is ``-1`` packed or ``True`` bool: one graph for constrained
-    and unconstrained traffic).
+    and unconstrained traffic); ``None`` when there is no neutral value and the
+    caller must feed it (``tp_rank``). ``bounds``: ``(low, high)``, the values a
+    fed tensor must lie in (``low <= v < high``), checked on the host for CPU tensors.
     """
 
     name: str
@@ -49,6 +56,8 @@ class AddedInput:
     shape: tuple
     fill: Any
     doc: str = ""
+    bounds: tuple[int, int] | None = None
+    tap: tuple[str, str] | None = None  # (tap name, "values" | "enabled"): fed from the replacement context
 
     def shape_for(self, bindings: dict) -> tuple:
         return tuple(evaluate_dim(d, bindings) for d in self.shape)

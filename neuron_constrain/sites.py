@@ -168,6 +168,55 @@ def plan_mask_points(graph: torch.fx.Graph, outputs: list, vocab_size: int | Non
     return MaskPlan(root, width, [point], sites)
 
 
+def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size: int | None, *, what: str, shards: int = 1):
+    """:func:`plan_mask_points` for a pass that needs one set of per-row inputs.
+
+    Returns ``(plan, vocab)``: ``vocab`` is the full vocabulary (``vocab_size``, or
+    the logits' width times ``shards``). With ``shards > 1`` the logits are one
+    rank's vocab shard. Raises ``TransformError`` naming the problem and the fix:
+    no logits, a vocabulary that does not fit them, or logits of several row shapes.
+    ``what`` says what the inputs are for ("one logit_mask").
+    """
+    from neuron_constrain.errors import TransformError
+    from neuron_constrain.report import symbolic_shape
+
+    min_width = None if vocab_size is None else -(-vocab_size // shards)
+    plan = plan_mask_points(graph, outputs, min_width)
+    if plan is None and vocab_size is not None:  # logits found, but narrower than vocab_size?
+        plan = plan_mask_points(graph, outputs, None)
+    if plan is None:
+        raise TransformError(
+            f"found no logits for {what}: the graph has no vocabulary projection (a matmul wider than its input"
+            + (f" and at least vocab_size={vocab_size} wide" if vocab_size else "")
+            + ") that feeds a sampling op or an output; export the model with its lm_head, "
+            "or pass the vocab_size that the logits have"
+        )
+    width = plan.width  # with shards > 1: this rank's shard
+    vocab = width * shards if vocab_size is None else vocab_size
+    where = f"(node {plan.root.name!r})"
+    if shards > 1 and vocab > width * shards:
+        raise TransformError(
+            f"vocab_size={vocab} does not fit in tp_degree={shards} shards of {width} columns {where}: "
+            f"{width * shards} columns in all; pass the tp_degree the lm_head was sharded with, "
+            f"or vocab_size<={width * shards}"
+        )
+    if shards > 1 and vocab <= width * (shards - 1):
+        raise TransformError(
+            f"vocab_size={vocab} fits in {shards - 1} shards of {width} columns {where}: the last of "
+            f"tp_degree={shards} ranks would hold no token; export the rank's sharded lm_head (not the full one), "
+            "or pass the tp_degree it was sharded with"
+        )
+    if shards == 1 and vocab > width:
+        raise TransformError(f"vocab_size={vocab} is larger than the logits' width {width} {where}; pass vocab_size<={width}")
+    leading = {symbolic_shape(p.meta["val"].shape[:-1]) for p in plan.points}
+    if len(leading) != 1:
+        raise TransformError(
+            f"the logits at {[p.name for p in plan.points]} have different leading shapes {sorted(map(str, leading))}; "
+            f"{what} cannot cover them: export one logits output per program"
+        )
+    return plan, vocab
+
+
 # ----------------------------------------------------------------------------- module paths
 
 _MODULES_ITEM = re.compile(r"\._modules\[(['\"])(.*?)\1\]")

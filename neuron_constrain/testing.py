@@ -5,6 +5,7 @@ decode-step wrappers an on-device sampler would compile.
     model = tiny_decoder("llama", vocab_size=1024)
     step = GreedyStep(model)                 # input_ids -> argmax of last logits
     step = SamplingStep(model, top_k=20)     # input_ids, noise -> token (top-k/top-p race)
+    step = VocabShardedGreedyStep(model, rank, world_size)  # one rank's (max, index) of its vocab shard
 """
 from __future__ import annotations
 
@@ -77,6 +78,17 @@ class GreedyStep(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         return logits[:, -1].argmax(-1)
+
+
+class LogitsStep(torch.nn.Module):
+    """The full-recompute step a host-side sampler runs: ``input_ids [B, S] -> logits [B, S, V]``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 class SamplingStep(torch.nn.Module):
@@ -201,3 +213,56 @@ class ForcedStep(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
         return (logits + bias).argmax(-1)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+class VocabShardedGreedyStep(torch.nn.Module):
+    """One rank's greedy step with a vocab-parallel lm_head (NxD's ColumnParallel layout).
+
+    Rank ``rank`` of ``world_size`` holds lm_head rows ``[rank * shard, (rank + 1) *
+    shard)``, ``shard = ceil(V / world_size)``; the last shard is padded with zero rows.
+    ``input_ids [B, S] -> (value [B], index [B])``: the max of this rank's shard of the
+    last logits and its column within the shard (``max.dim``, the sampling site the
+    logit-mask pass masks before). :func:`greedy_across_ranks` picks the token.
+    """
+
+    def __init__(self, model: torch.nn.Module, rank: int, world_size: int):
+        super().__init__()
+        weight = model.lm_head.weight.detach()
+        self.shard_width = -(-weight.shape[0] // world_size)
+        rows = weight[rank * self.shard_width : (rank + 1) * self.shard_width]
+        shard = weight.new_zeros(self.shard_width, weight.shape[1])
+        shard[: rows.shape[0]] = rows
+        self.body = model.model
+        self.lm_head_shard = torch.nn.Parameter(shard, requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = torch.nn.functional.linear(hidden, self.lm_head_shard)[:, -1]
+        value, index = logits.max(-1)
+        return value, index
+
+
+def pick_across_ranks(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy token from per-rank maxima: ``values, tokens [world, B]`` (global ids) -> ``[B]``.
+
+    Ties go to the lowest rank, and so (each rank's index being its first max) to the
+    lowest token id: the same token ``argmax`` of the gathered logits returns.
+    """
+    best = values.argmax(0, keepdim=True)
+    return tokens.gather(0, best).squeeze(0)
+
+
+def greedy_across_ranks(value: torch.Tensor, index: torch.Tensor, rank: int, shard_width: int, group=None):
+    """All-gather each rank's ``(max, index in shard)`` over ``torch.distributed`` and pick the token."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    token = index + rank * shard_width
+    values = [torch.empty_like(value) for _ in range(world)]
+    tokens = [torch.empty_like(token) for _ in range(world)]
+    dist.all_gather(values, value, group=group)
+    dist.all_gather(tokens, token, group=group)
+    return pick_across_ranks(torch.stack(values), torch.stack(tokens))

@@ -9,9 +9,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import EmptyMaskRowError, InputError
-from neuron_constrain.passes import mask_logits_pass
+from neuron_constrain import replacement
+from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.passes import logits_processors_pass, mask_logits_pass, replacement_tap_pass
 from neuron_constrain.passes.mask_logits_pass import EMPTY_OUTPUT
+from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
 from neuron_constrain.report import AddedInput, TransformReport
 
 __all__ = ["transform", "Transformed"]
@@ -56,7 +58,6 @@ class Transformed(torch.nn.Module):
         self._kwarg_order = [k for k in kwargs_index if k not in added]
         # Unlifting may rewrite placeholder metadata: read the symbolic sizes first.
         self.graph_module = program.module()
-        self._flag_outputs = sum(EMPTY_OUTPUT in r.outputs_added for r in report.passes.values())
 
     # ------------------------------------------------------------------ feeding added inputs
     def _bindings(self, args: tuple, kwargs: dict) -> tuple[dict, torch.device]:
@@ -68,10 +69,20 @@ class Transformed(torch.nn.Module):
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
         return bindings, device
 
-    def _feed(self, info: AddedInput, value, bindings: dict, device: torch.device) -> torch.Tensor:
+    @staticmethod  # also feeds the graphs of neuron_constrain.backend
+    def _feed(info: AddedInput, value, bindings: dict, device: torch.device) -> torch.Tensor:
         shape = info.shape_for(bindings)
+        if value is None and info.tap is not None:
+            tap, role = info.tap
+            fed = replacement.tap_input(tap, shape, info.dtype, device, role)
+            if fed is not None:
+                return fed
         if value is None:
-            return torch.full(shape, info.fill, dtype=info.dtype, device=device)
+            if info.fill is None:
+                raise InputError(f"{info.name} is required ({info.describe()}: {info.doc}); pass {info.name}=")
+            # Made on the host and moved: on XLA a fill op would be a different graph
+            # from a fed tensor (a recompile); a transfer is the same graph.
+            return torch.full(shape, info.fill, dtype=info.dtype).to(device)
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{info.name} must be a tensor ({info.describe()}), got {type(value).__name__}")
         if _tracing():
@@ -83,31 +94,73 @@ class Transformed(torch.nn.Module):
             )
         if tuple(value.shape) != tuple(shape):
             raise InputError(
-                f"{info.name} has shape {tuple(value.shape)} but these inputs need {tuple(shape)} ({info.doc}): "
-                f"one row per logits row and {shape[-1]} columns"
+                f"{info.name} has shape {tuple(value.shape)} but these inputs need {tuple(shape)} ({info.doc})"
+                + (f": one row per logits row and {shape[-1]} columns" if len(shape) > 1 else "")
             )
         if value.device != device:
             raise InputError(f"{info.name} is on {value.device} but the model's inputs are on {device}; move it with .to({str(device)!r})")
+        if info.bounds is not None and value.device.type == "cpu":  # on a device, reading it back would sync
+            low, high = info.bounds
+            if bool(((value < low) | (value >= high)).any()):
+                raise InputError(f"{info.name}={value.tolist()} is outside [{low}, {high}) ({info.doc})")
         return value
 
-    def forward(self, *args, **kwargs):
+    @torch.compiler.disable
+    def _with_added_inputs(self, args: tuple, kwargs: dict) -> dict:
+        # Host code outside any compiled region: whether a tap is on or a mask was
+        # given, the compiled graph sees the same tensors-only call (no recompile).
+        kwargs = dict(kwargs)
         extras = {i.name: kwargs.pop(i.name, None) for i in self._added}
         bindings, device = self._bindings(args, kwargs)
         for info in self._added:
             kwargs[info.name] = self._feed(info, extras[info.name], bindings, device)
-        out = self.graph_module(*args, **kwargs)
-        if not self._flag_outputs:
-            return out
-        out, *flags = out
-        for empty in flags:
-            if _tracing():
-                torch._assert_async(empty.any().logical_not(), "logit_mask allows no token in some row")
-            elif bool(empty.any()):
-                raise EmptyMaskRowError([tuple(r) if len(r) > 1 else r[0] for r in empty.nonzero().tolist()])
-        return out
+        return kwargs
+
+    def forward(self, *args, **kwargs):
+        kwargs = self._with_added_inputs(args, kwargs)
+        return strip_added_outputs(self.graph_module(*args, **kwargs), self.report)
 
     def save(self, path) -> None:
         torch.export.save(self.program, path)
+
+
+def _on_host(value: torch.Tensor) -> torch.Tensor:
+    """A flag to read on the host. On XLA, materialise every pending output in one
+    graph first: reading the flag alone would compile a second graph for it."""
+    if value.device.type != "xla":
+        return value
+    import torch_xla
+
+    torch_xla.sync()
+    return value.cpu()
+
+
+def strip_added_outputs(out, report: TransformReport):
+    """The program's own outputs; acts on what the passes added.
+
+    Each pass that adds outputs wraps the outputs so far as ``(outputs, *added)``:
+    unwrap in reverse order. ``logit_mask_empty`` rows raise
+    :class:`EmptyMaskRowError`; ``capture_*`` values go to
+    :func:`neuron_constrain.replacement.recording_captures`.
+    """
+    captures = {}
+    for passed in reversed(list(report.passes.values())):
+        if not passed.outputs_added:
+            continue
+        out, *added = out
+        for name, value in zip(passed.outputs_added, added):
+            if name == EMPTY_OUTPUT:
+                if _tracing():
+                    torch._assert_async(value.any().logical_not(), "logit_mask allows no token in some row")
+                elif bool((flag := _on_host(value)).any()):
+                    raise EmptyMaskRowError([tuple(r) if len(r) > 1 else r[0] for r in flag.nonzero().tolist()])
+            elif name.startswith(CAPTURE_PREFIX):
+                captures[name[len(CAPTURE_PREFIX):]] = value
+            else:
+                raise TransformError(f"the program returns {name!r}, which no pass of this library adds")
+    if captures and not _tracing():
+        replacement.record_captures(captures)
+    return out
 
 
 def transform(
@@ -119,6 +172,14 @@ def transform(
     logit_mask: str | None = "packed",
     vocab_size: int | None = None,
     empty_row: str | int = "flag",
+    tp_degree: int = 1,
+    taps: Sequence[str | Tap] = (),
+    sequence_parallel: int = 1,
+    processors: Sequence | None = None,
+    max_stop_tokens: int = 4,
+    max_bias_tokens: int = 16,
+    max_penalty_tokens: int = 1024,
+    num_speculative_tokens: int = 0,
     strict: bool = False,
 ) -> Transformed:
     """Export ``model`` (unless it is already an ``ExportedProgram``) and rewrite it.
@@ -126,7 +187,20 @@ def transform(
     ``logit_mask``: "packed" (xgrammar int32 bitmask), "bool", or None to skip the
     mask pass. ``vocab_size``: the tokenizer's vocabulary when the lm_head is
     padded past it. ``empty_row``: "flag" or a fallback token id (see the pass).
+    ``tp_degree``: ranks of a vocab-parallel lm_head; ``model`` is one rank's step
+    (its logits are that rank's vocab shard) and the program gains a required
+    ``tp_rank`` input (int32 ``[1]``); ``vocab_size`` stays the full vocabulary.
+    ``taps``: module path patterns (or :class:`Tap`) whose outputs reference tensors
+    can replace at run time (see the replacement-tap pass); ``sequence_parallel``:
+    ranks the tapped values' token dim is split over (adds a ``tap_rank`` input).
+    ``processors``: logits processors run in the graph after the mask (built-in
+    "min_tokens", "logit_bias", "penalties", "min_p", or custom ones; see the
+    logits-processors pass and :class:`neuron_constrain.processors.ProcessorState`);
+    ``max_stop_tokens`` / ``max_bias_tokens`` / ``max_penalty_tokens``: their fixed
+    per-row widths (stop ids, biased ids, distinct seen tokens);
+    ``num_speculative_tokens`` > 0 allows only "min_tokens".
     """
+    taps = as_taps(taps)
     report = TransformReport()
     start = time.perf_counter()
     if isinstance(model, ExportedProgram):
@@ -134,15 +208,28 @@ def transform(
     else:
         # Decoding is inference: exporting under no_grad keeps a model's own no_grad
         # blocks (MoE routing) from becoming set_grad higher-order ops in the graph.
+        # Tapped modules keep their call signature, so a value the parent discards
+        # (GPT-OSS router logits) is still recorded as the module's output.
+        names = [name for name, _ in model.named_modules()]
+        tapped = tuple(dict.fromkeys(p for tap in taps for p in match_modules(tap.module_pattern, names)))
         with torch.no_grad():
             program = torch.export.export(
-                model, tuple(example_inputs), kwargs=example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+                model, tuple(example_inputs), kwargs=example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
+                preserve_module_call_signature=tapped,
             )
     report.export_seconds = time.perf_counter() - start
     start = time.perf_counter()
+    if taps:
+        program, report.passes["taps"] = replacement_tap_pass(program, taps, sequence_parallel=sequence_parallel)
     if logit_mask is not None:
         program, report.passes["logit_mask"] = mask_logits_pass(
-            program, mask_format=logit_mask, vocab_size=vocab_size, empty_row=empty_row
+            program, mask_format=logit_mask, vocab_size=vocab_size, empty_row=empty_row, tp_degree=tp_degree
+        )
+    if processors is not None:
+        program, report.passes["logits_processors"] = logits_processors_pass(
+            program, processors=processors, vocab_size=vocab_size, empty_row=empty_row,
+            max_stop_tokens=max_stop_tokens, max_bias_tokens=max_bias_tokens, max_penalty_tokens=max_penalty_tokens,
+            num_speculative_tokens=num_speculative_tokens,
         )
     report.transform_seconds = time.perf_counter() - start
     return Transformed(program, report)

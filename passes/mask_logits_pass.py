@@ -27,6 +27,22 @@ Options
                  ``Transformed`` raises ``EmptyMaskRowError`` naming the rows; the
                  token of such a row is meaningless. An int token id (e.g. EOS):
                  such a row allows exactly that token, in-graph, with no extra output.
+    tp_degree    ranks of a vocab-parallel lm_head (NxD's ColumnParallel, gathered
+                 after sampling). With ``tp_degree > 1`` the graph's logits are this
+                 rank's shard, ``shard = ceil(padded_vocab / tp_degree)`` columns (the
+                 last shard may be padded); the mask input stays the FULL mask (every
+                 rank gets the same one) and the program gains a ``tp_rank`` input,
+                 int32 ``[1]`` (NxD's SPMDRank layout), fed per rank at call time, so
+                 no rank is baked in and one program serves all ranks. In-graph::
+
+                     cols = tp_rank * shard + arange(shard)      # global columns
+                     words = index_select(logit_mask, -1, cols // 32)
+                     bits = index_select(1 << arange(32), 0, cols % 32)
+                     allowed = ne(bitwise_and(words, bits), 0) & (cols < V)
+
+                 A shard may start mid-word; ``logit_mask_empty`` reads the full mask,
+                 so every rank flags the same rows. ``Transformed`` refuses to run
+                 without ``tp_rank`` (never a silent rank 0) and checks its range.
 
 Reports the sites (node, kind, module), the mask points, the input (and output)
 added and the number of nodes inserted. A second application raises.
@@ -37,18 +53,27 @@ import torch
 from torch.export import ExportedProgram
 
 from neuron_constrain.errors import TransformError
-from neuron_constrain.kernels import allowed_columns, empty_rows, packed_width
+from neuron_constrain.kernels import (
+    allowed_columns,
+    allowed_shard_columns,
+    empty_rows,
+    packed_width,
+    shard_columns,
+)
 from neuron_constrain.program import ProgramEditor, user_input_names
-from neuron_constrain.report import AddedInput, PassReport
-from neuron_constrain.sites import module_path, plan_mask_points
+from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
+from neuron_constrain.sites import module_path, plan_logits
 
 MASK_INPUT = "logit_mask"
+RANK_INPUT = "tp_rank"
 EMPTY_OUTPUT = "logit_mask_empty"
 MASK_FORMATS = ("packed", "bool")
 
 
-def _sympy_dims(shape) -> tuple:
-    return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in shape)
+def check_empty_row(empty_row) -> None:
+    """``empty_row`` is "flag" or a token id (shared with the processors pass)."""
+    if not (empty_row == "flag" or (isinstance(empty_row, int) and not isinstance(empty_row, bool) and empty_row >= 0)):
+        raise TransformError(f"empty_row={empty_row!r}: use 'flag' or a token id >= 0 (e.g. the EOS id)")
 
 
 def mask_logits_pass(
@@ -57,6 +82,7 @@ def mask_logits_pass(
     mask_format: str = "packed",
     vocab_size: int | None = None,
     empty_row: str | int = "flag",
+    tp_degree: int = 1,
 ) -> tuple[ExportedProgram, PassReport]:
     if mask_format not in MASK_FORMATS:
         raise TransformError(f"logit_mask={mask_format!r} is not a mask format; use one of {MASK_FORMATS} or None")
@@ -65,36 +91,18 @@ def mask_logits_pass(
             f"the program already has a {MASK_INPUT!r} input: the logit-mask pass was applied already; "
             "transform the original model or program, not its rewrite"
         )
-    if not (empty_row == "flag" or (isinstance(empty_row, int) and not isinstance(empty_row, bool) and empty_row >= 0)):
-        raise TransformError(f"empty_row={empty_row!r}: use 'flag' or a token id >= 0 (e.g. the EOS id)")
+    check_empty_row(empty_row)
+    if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
+        raise TransformError(f"tp_degree={tp_degree!r}: use the number of vocab-parallel ranks, an int >= 1")
 
     editor = ProgramEditor(program)
-    plan = plan_mask_points(editor.graph, editor.user_output_nodes(), vocab_size)
-    if plan is None and vocab_size is not None:  # logits found, but narrower than vocab_size?
-        plan = plan_mask_points(editor.graph, editor.user_output_nodes(), None)
-    if plan is None:
-        raise TransformError(
-            "found no logits to mask: the graph has no vocabulary projection (a matmul wider than its input"
-            + (f" and at least vocab_size={vocab_size} wide" if vocab_size else "")
-            + ") that feeds a sampling op or an output; export the model with its lm_head, "
-            "or pass the vocab_size that the logits have"
-        )
-    width = plan.width
-    vocab = width if vocab_size is None else vocab_size
-    if vocab > width:
-        raise TransformError(
-            f"vocab_size={vocab} is larger than the logits' width {width} (node {plan.root.name!r}); "
-            f"pass vocab_size<={width}"
-        )
+    plan, vocab = plan_logits(
+        editor.graph, editor.user_output_nodes(), vocab_size, what="one logit_mask", shards=tp_degree
+    )
+    width = plan.width  # with tp_degree > 1: this rank's shard
     if isinstance(empty_row, int) and empty_row >= vocab:
         raise TransformError(f"empty_row={empty_row} is not a token below vocab_size={vocab}")
 
-    leading = {tuple(_sympy_dims(p.meta["val"].shape[:-1])) for p in plan.points}
-    if len(leading) != 1:
-        raise TransformError(
-            f"the logits at {[p.name for p in plan.points]} have different leading shapes {sorted(map(str, leading))}; "
-            "one logit_mask cannot cover them: export one logits output per program"
-        )
     first = plan.points[0].meta["val"]
     mask_width = packed_width(vocab) if mask_format == "packed" else vocab
     mask_dtype = torch.int32 if mask_format == "packed" else torch.bool
@@ -107,22 +115,34 @@ def mask_logits_pass(
 
     report = PassReport(name="logit_mask")
     report.inputs_added.append(
-        AddedInput(MASK_INPUT, mask_dtype, (*_sympy_dims(first.shape[:-1]), mask_width), fill,
+        AddedInput(MASK_INPUT, mask_dtype, (*symbolic_shape(first.shape[:-1]), mask_width), fill,
                    doc=f"{mask_format} grammar mask over {vocab} tokens")
     )
     fallback = None if empty_row == "flag" else empty_row
+    mask_args = [mask]
+    if tp_degree > 1:
+        rank_val = editor.fake(lambda: torch.empty((1,), dtype=torch.int32, device=first.device))
+        mask_args.append(editor.add_input(RANK_INPUT, rank_val, torch.zeros((1,), dtype=torch.int32)))
+        report.inputs_added.append(
+            AddedInput(RANK_INPUT, torch.int32, (1,), None, bounds=(0, tp_degree),
+                       doc=f"this rank's index among tp_degree={tp_degree} vocab shards of {width} columns")
+        )
 
-    def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        allowed = allowed_columns(mask, width, vocab)
+    def apply_mask(logits: torch.Tensor, mask: torch.Tensor, *rank: torch.Tensor) -> torch.Tensor:
+        if rank:  # vocab-parallel: (tp_rank,)
+            allowed = allowed_shard_columns(mask, width, vocab, rank[0])
+        else:
+            allowed = allowed_columns(mask, width, vocab)
         if fallback is not None:
-            token = torch.arange(width, device=logits.device) == fallback
+            columns = shard_columns(rank[0], width) if rank else torch.arange(width, device=logits.device)
+            token = columns == fallback
             allowed = allowed.logical_or(empty_rows(mask, vocab).unsqueeze(-1).logical_and(token))
         return logits.masked_fill(allowed.logical_not(), float("-inf"))
 
     output = editor.output_node
     for point in plan.points:
         users = [u for u in point.users if u is not output] if plan.sites else [output]
-        masked = editor.splice(apply_mask, [point, mask], near=point, prefix=MASK_INPUT)
+        masked = editor.splice(apply_mask, [point, *mask_args], near=point, prefix=MASK_INPUT)
         for user in users:
             user.replace_input_with(point, masked)
     if fallback is None:
@@ -138,6 +158,11 @@ def mask_logits_pass(
         f"logits {plan.root.name} [{width} wide, vocab_size {vocab}] masked at "
         + ", ".join(p.name for p in plan.points)
     )
+    if tp_degree > 1:
+        report.notes.append(
+            f"vocab-parallel: {tp_degree} shards of {width} columns, this rank's from the {RANK_INPUT} input; "
+            f"{width * tp_degree - vocab} padding column(s) disallowed"
+        )
     if plan.sites and any(o in plan.points for o in editor.user_output_nodes()):
         report.notes.append("the raw logits are also returned unmasked (for logprobs); the sampler sees masked logits")
     return editor.build(), report

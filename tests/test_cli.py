@@ -229,11 +229,33 @@ def test_unknown_pass(plain, workdir):
                    "unknown pass 'fuse_everything'", "logit_mask")
 
 
-def test_tap_pass_is_not_available_yet(plain, workdir):
-    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--tap", "*.router"),
-                   "replacement-tap pass is not available yet")
-    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--passes", "replacement_tap"),
-                   "replacement-tap pass is not available yet")
+def test_rewrite_with_taps_then_check(plain, workdir):
+    out = workdir / "llama.tapped.pt2"
+    result = cli("rewrite", plain["llama"], "-o", out, "--tap", "model.layers.*.mlp", "--vocab-size", VOCAB)
+    assert result.returncode == 0, result.stderr
+    assert "taps: 2 site(s)" in result.stdout and "logit_mask: 1 site(s)" in result.stdout
+    assert cli("check", out, "--vocab-size", VOCAB).returncode == 0
+    program = torch.export.load(out)
+    inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    assert inputs[1:] == [
+        "tap_model_model_layers_0_mlp", "tap_model_model_layers_0_mlp_enabled",
+        "tap_model_model_layers_1_mlp", "tap_model_model_layers_1_mlp_enabled", MASK_INPUT,
+    ]
+    # a reader that bypasses a tap is caught
+    where = next(n for n in program.graph.nodes if n.target is torch.ops.aten.where.self and n.name.startswith("tap_"))
+    reader = next(iter(where.users))
+    reader.replace_input_with(where, where.args[2])
+    torch.export.save(program, workdir / "bypassed.pt2")
+    failed = cli("check", workdir / "bypassed.pt2")
+    assert failed.returncode == 1 and "bypassing the tap" in failed.stdout, failed.stdout
+
+
+def test_tap_errors(plain, workdir):
+    one_error_line(cli("rewrite", plain["gpt_oss"], "-o", workdir / "x.pt2", "--tap", "model.layers.*.mlp.router"),
+                   "preserve_module_call_signature")  # a saved program does not say which of 3 values is the logits
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--tap", "model.layers.*.moe"),
+                   "matches no module", "model.model.layers.0.mlp")
+    one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--passes", "taps"), "needs at least one --tap")
 
 
 def test_conflicting_flags(plain, workdir):

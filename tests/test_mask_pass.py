@@ -269,7 +269,7 @@ def test_bad_transform_options():
 def test_model_without_logits_is_refused():
     model = tiny_decoder("llama", vocab_size=PADDED).model  # LlamaModel: hidden states, no lm_head
     ids = random_ids(2, SEQ, VOCAB)
-    with pytest.raises(TransformError, match="found no logits to mask"):
+    with pytest.raises(TransformError, match="found no logits for one logit_mask"):
         nc.transform(model, (), example_kwargs={"input_ids": ids, "use_cache": False})
 
 

@@ -2,7 +2,6 @@
 regex / choice / EBNF / tool calling end to end, the enable switch, and the errors."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest

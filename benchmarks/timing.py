@@ -1,0 +1,48 @@
+"""Side-by-side timing for the benchmarks: candidates run interleaved, rep by rep, so
+machine noise (2 shared cores) hits every candidate alike."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def interleaved(runs: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each candidate, ``reps`` rounds; each round calls all of them once."""
+    times = {name: [] for name in runs}
+    with torch.no_grad():
+        for _ in range(warmup):
+            for fn in runs.values():
+                fn()
+        for _ in range(reps):
+            for name, fn in runs.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> dict[str, float]:
+    """Ratio of medians and ratio of minima of two candidates."""
+    return {
+        "ratio_median": statistics.median(times[numerator]) / statistics.median(times[denominator]),
+        "ratio_min": min(times[numerator]) / min(times[denominator]),
+    }
+
+
+def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def write_results(results: dict, path: str) -> None:
+    """Add the torch version and thread count, write JSON to ``path`` and say so."""
+    import json
+    import pathlib
+
+    results = {**results, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {out}")

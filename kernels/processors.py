@@ -1,0 +1,114 @@
+"""Logits processors as plain aten math: what the logits-processors pass splices in.
+
+Every function takes logits ``[..., W]`` (W = the logits' width, padded lm_head
+included) and per-row state with the same leading dims, and returns new logits
+(functional: nothing is written in place). Ragged per-row lists (stop ids, biased
+token ids, seen tokens) come as fixed-width tensors padded with ``-1``; an id outside
+``[0, W)`` is ignored. Parameters are float32 (int for counts) and are cast to the
+logits' dtype inside. No Python branch on values or batch sizes, so the batch dim
+stays symbolic and one compiled graph serves every batch content; each neutral
+value (remaining 0, bias 0, repetition 1, frequency/presence 0, temperature 1,
+min_p 0) leaves the logits unchanged. ``-inf`` (a masked token) stays ``-inf``.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "apply_min_tokens",
+    "apply_logit_bias",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_min_p",
+    "no_token_rows",
+    "allow_token_in_empty_rows",
+]
+
+NEG_INF = float("-inf")
+
+
+def _valid(ids: torch.Tensor, width: int) -> torch.Tensor:
+    return (ids >= 0) & (ids < width)
+
+
+def apply_min_tokens(logits: torch.Tensor, remaining: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """Mask a row's stop ids while it must still generate tokens (``remaining > 0``).
+
+    ``remaining`` int ``[...]``: tokens still required before a stop token may be
+    sampled; ``stop_ids`` int64 ``[..., S]`` (EOS and the request's stop token ids,
+    ``-1`` padded).
+    """
+    # One scatter-add into a copy of the logits: -inf at live stop ids, +0 (a no-op,
+    # at column 0) for padding and for rows that may stop already.
+    live = _valid(stop_ids, logits.shape[-1]) & (remaining > 0).unsqueeze(-1)
+    index = torch.where(live, stop_ids, 0)
+    add = torch.where(live, NEG_INF, 0.0).to(logits.dtype)
+    return logits.scatter_add(-1, index, add)
+
+
+def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Add ``values[..., k]`` to the logit of token ``ids[..., k]`` (sparse, fixed K).
+
+    A repeated id gets the sum of its values; ``-inf`` stays ``-inf``.
+    """
+    valid = _valid(ids, logits.shape[-1])
+    index = torch.where(valid, ids, 0)
+    return logits.scatter_add(-1, index, torch.where(valid, values.to(logits.dtype), 0.0))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    token_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on the tokens a row has seen.
+
+    ``token_ids`` int64 ``[..., L]``: the distinct tokens of the prompt and the output
+    so far (``-1`` padded, each id once); ``token_counts`` int ``[..., L]``: how often
+    each was generated (0: prompt only). A seen token's logit is divided by
+    ``repetition`` if positive, multiplied if not; then ``frequency * count`` and
+    ``presence * (count > 0)`` are subtracted. Sparse: gather the L seen logits,
+    penalise them, scatter-add the change back (one pass over the logits, not a
+    dense ``[..., V]`` count tensor; ``-inf`` stays ``-inf``).
+    """
+    valid = _valid(token_ids, logits.shape[-1])
+    index = torch.where(valid, token_ids, 0)
+    seen = logits.gather(-1, index)
+    rep = repetition.to(logits.dtype).unsqueeze(-1)
+    counts = token_counts.to(logits.dtype)
+    penalised = torch.where(seen > 0, seen / rep, seen * rep)
+    penalised = penalised - counts * frequency.to(logits.dtype).unsqueeze(-1)
+    penalised = penalised - (counts > 0).to(logits.dtype) * presence.to(logits.dtype).unsqueeze(-1)
+    change = torch.where(valid & seen.isfinite(), penalised - seen, 0.0)
+    return logits.scatter_add(-1, index, change)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature (> 0)."""
+    return logits / temperature.to(logits.dtype).unsqueeze(-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability.
+
+    ``p_i < min_p * p_max`` is ``logit_i - logit_max < log(min_p)`` (the softmax's
+    normaliser cancels), so no softmax is computed; ``min_p = 0`` gives ``log 0 =
+    -inf`` and drops nothing. The top token always survives: argmax-invariant.
+    """
+    threshold = logits.amax(-1, keepdim=True) + min_p.to(logits.dtype).log().unsqueeze(-1)
+    return torch.where(logits < threshold, NEG_INF, logits)  # where, not masked_fill: 2x faster on CPU
+
+
+def no_token_rows(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool ``[...]``: rows where every token below ``vocab_size`` is ``-inf``."""
+    return logits[..., :vocab_size].amax(-1).isneginf()
+
+
+def allow_token_in_empty_rows(logits: torch.Tensor, token: int, vocab_size: int) -> torch.Tensor:
+    """In rows where nothing below ``vocab_size`` is allowed, give ``token`` logit 0."""
+    empty = no_token_rows(logits, vocab_size).unsqueeze(-1)
+    column = torch.arange(logits.shape[-1], device=logits.device) == token
+    return logits.masked_fill(empty & column, 0.0)

@@ -1,0 +1,213 @@
+"""XLA lowering of rewritten programs: the path torch-neuronx takes to neuronx-cc.
+
+    xla_step = to_xla(transformed)                 # Transformed (or ExportedProgram) on the XLA device
+    hlo = lower_to_hlo(transformed)                # HLO text of one call on its example inputs
+    hlo_parameters(hlo)                            # [HloParameter(0, "s32", (3, 32)), ...]
+    lowering = lower(transformed)                  # the text plus parameter names (logit_mask, weights)
+    neff = to_neff(transformed)                    # torch_neuronx.trace, where torch-neuronx is installed
+
+How it works: exported graphs bake ``device='cpu'`` into some ops, so
+``to_xla`` runs ``torch.export.passes.move_to_device_pass``; lowering calls the
+program's module on XLA tensors (lazy: nothing runs) and asks torch-xla for the
+HLO of the outputs. Inputs are copied from the host, so each is device data — an
+HLO *parameter* (the mask included), never a constant folded into the graph: one
+compiled graph serves every mask. Parameter names come from matching torch-xla's
+device-data tensors (in parameter order) to the program's inputs and weights.
+
+torch-xla is imported lazily (the latest lane has none); torch-neuronx too (not
+installable here): a missing one raises :class:`MissingDependencyError` naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "HloLowering",
+    "HloParameter",
+    "MissingDependencyError",
+    "example_inputs",
+    "hlo_parameters",
+    "lower",
+    "lower_to_hlo",
+    "to_neff",
+    "to_xla",
+    "xla_device",
+]
+
+_INSTALL = {
+    "torch_xla": "torch-xla is not installed: lowering to HLO needs it (pip install torch-xla==2.9.0 "
+                 "next to torch==2.9.0, or neuron-constrain[xla]; the main lane `make test` has it)",
+    "torch_neuronx": "torch-neuronx is not installed: tracing to a NEFF needs it and neuronx-cc "
+                     "(on a Neuron instance, from the AWS Neuron pip repository)",
+}
+
+
+class MissingDependencyError(ImportError):
+    """An optional package a function needs (torch-xla, torch-neuronx) is not installed."""
+
+
+def _require(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingDependencyError(_INSTALL[module]) from e
+
+
+def xla_device() -> torch.device:
+    return _require("torch_xla").device()
+
+
+def _program(program_or_transformed) -> ExportedProgram:
+    return getattr(program_or_transformed, "program", program_or_transformed)
+
+
+def to_xla(program_or_transformed, device: torch.device | None = None):
+    """The program (or ``Transformed``) with its weights and baked devices on the XLA device."""
+    device = device if device is not None else xla_device()
+    import torch.export.passes  # not imported by `import torch` on 2.9
+
+    program = torch.export.passes.move_to_device_pass(_program(program_or_transformed), device)
+    if isinstance(program_or_transformed, ExportedProgram):
+        return program
+    from neuron_constrain.transform import Transformed
+
+    return Transformed(program, program_or_transformed.report)
+
+
+def _hint(size) -> int:
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    if hint is None:
+        raise ValueError(f"the program has no example inputs and its size {size} has no hint; pass the inputs")
+    return int(hint)
+
+
+def example_inputs(program_or_transformed) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` to call the program with: its saved example inputs, else
+    zeros shaped like its placeholders (symbolic sizes at their hints)."""
+    program = _program(program_or_transformed)
+    if program.example_inputs is not None:
+        return program.example_inputs
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    leaves = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind != InputKind.USER_INPUT:
+            continue
+        val = placeholders[spec.arg.name].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            leaves.append(torch.zeros([_hint(d) for d in val.shape], dtype=val.dtype))
+        else:
+            leaves.append(_hint(val) if isinstance(val, torch.SymInt) else val)
+    return pytree.tree_unflatten(leaves, program.call_spec.in_spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class HloParameter:
+    """One parameter of the HLO entry computation: ``s32[3,32]`` is ("s32", (3, 32))."""
+
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    name: str | None = None
+
+    def __str__(self) -> str:
+        return f"p{self.index} {self.dtype}[{','.join(map(str, self.shape))}]" + (f" {self.name}" if self.name else "")
+
+
+@dataclasses.dataclass
+class HloLowering:
+    text: str
+    parameters: list[HloParameter]
+
+
+_ENTRY = re.compile(r"^ENTRY\b.*?\{\s*$(?P<body>.*?)^\}", re.M | re.S)
+_PARAMETER = re.compile(r"=\s*(?P<dtype>\w+)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?\s+parameter\((?P<index>\d+)\)")
+
+
+def hlo_parameters(hlo_text: str, names: list[str | None] | None = None) -> list[HloParameter]:
+    """The entry computation's parameters, by index: the canonical list tests compare
+    (dtype and shape, independent of instruction numbering and of torch-xla's version)."""
+    entry = _ENTRY.search(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    found = {}
+    for m in _PARAMETER.finditer(entry.group("body")):
+        dims = tuple(int(d) for d in m.group("dims").split(",") if d.strip())
+        found[int(m.group("index"))] = (m.group("dtype"), dims)
+    if sorted(found) != list(range(len(found))):
+        raise ValueError(f"the entry computation's parameters are not numbered 0..n-1: {sorted(found)}")
+    names = names if names is not None and len(names) == len(found) else [None] * len(found)
+    return [HloParameter(i, *found[i], name=names[i]) for i in range(len(found))]
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def lower(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None) -> HloLowering:
+    """HLO of one call of the program on the XLA device (nothing is compiled or run).
+
+    ``args``/``kwargs``: host tensors, every user input (the added ones too) —
+    default :func:`example_inputs`.
+    """
+    torch_xla = _require("torch_xla")
+    device = torch_xla.device()
+    if args is None and kwargs is None:
+        args, kwargs = example_inputs(program_or_transformed)
+    program = to_xla(_program(program_or_transformed), device)
+    module = program.module()
+    args = tuple(_to(a, device) for a in (args or ()))
+    kwargs = {k: _to(v, device) for k, v in (kwargs or {}).items()}
+    with torch.no_grad():
+        outputs = [o for o in pytree.tree_leaves(module(*args, **kwargs)) if isinstance(o, torch.Tensor)]
+    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+
+    xla_id = torch_xla._XLAC._xla_get_tensor_id
+    user_names = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    user_leaves = pytree.tree_leaves((args, kwargs))
+    named = {xla_id(t): n for n, t in zip(user_names, user_leaves) if isinstance(t, torch.Tensor)}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        named.setdefault(xla_id(t), name)
+    ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
+    return HloLowering(text, hlo_parameters(text, [named.get(i) for i in ids]))
+
+
+def lower_to_hlo(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None) -> str:
+    """The HLO text of one call of the program (see :func:`lower`)."""
+    return lower(program_or_transformed, args, kwargs).text
+
+
+class _Positional(torch.nn.Module):
+    """The program's module called with every user input positionally (what tracers pass)."""
+
+    def __init__(self, program: ExportedProgram):
+        super().__init__()
+        self.module = program.module()
+        self.in_spec = program.call_spec.in_spec
+
+    def forward(self, *leaves):
+        args, kwargs = pytree.tree_unflatten(list(leaves), self.in_spec)
+        return self.module(*args, **kwargs)
+
+
+def to_neff(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None, **trace_options) -> Any:
+    """``torch_neuronx.trace`` of the rewritten program (a NEFF-backed module).
+
+    The traced module takes every user input positionally, in the program's order
+    (the added ``logit_mask`` last). Needs torch-neuronx and neuronx-cc.
+    """
+    torch_neuronx = _require("torch_neuronx")
+    if args is None and kwargs is None:
+        args, kwargs = example_inputs(program_or_transformed)
+    program = _program(program_or_transformed)
+    leaves = pytree.tree_leaves((tuple(args or ()), dict(kwargs or {})))
+    return torch_neuronx.trace(_Positional(program), tuple(leaves), **trace_options)

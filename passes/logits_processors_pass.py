@@ -1,0 +1,319 @@
+"""Logits-processors pass: min_tokens, logit_bias, penalties and min_p inside the graph.
+
+Before (after the logit-mask pass)             After (processors = all four)
+    m = masked_fill(last, ~allowed, -inf)          m = masked_fill(last, ~allowed, -inf)
+    tok = argmax(m, -1)           # greedy         x = scatter_add(m, stop_ids, -inf if remaining > 0)    # min_tokens
+    t = div(m, 0.8)               # sampling       x = scatter_add(x, bias_ids, bias_values)              # logit_bias
+    order = sort(t)                                s = gather(x, seen_ids)                                # penalties:
+                                                   s2 = where(s > 0, s / rep, s * rep) - f * n - p * (n > 0)
+                                                   x = scatter_add(x, seen_ids, s2 - s)
+                                                   empty = logit_mask_empty | isneginf(amax(x[:, :V]))
+                                                   tok = argmax(x, -1)           # greedy: nothing more
+                                                   t = div(x, 0.8)
+                                                   y = masked_fill(t, t < amax(t) + log(min_p), -inf)
+                                                   order = sort(y)               # sampling: min_p in front
+
+Where: at the mask point of :func:`neuron_constrain.sites.plan_mask_points` (after the
+logit-mask pass that point is the masked logits, so the order is mask, min_tokens,
+logit_bias, penalties), then, on each sampling path only, right in front of the
+sampling op: temperature (a per-row ``temperature`` input) and min_p.
+
+Argmax-invariance is a compiler fact here: temperature (> 0) and min_p (it keeps the
+top token) never change an argmax, so before a greedy ``argmax``/``max`` they are not
+inserted at all; the report lists them under the site's ``pruned`` with the reason.
+A graph with only greedy sites gets no ``min_p``/``temperature`` inputs.
+
+Temperature. A sampling path that already scales its logits (a ``div``/``mul`` between
+the processors and the sampling op, like ``SamplingStep``'s ``logits / 0.8``) keeps its
+own temperature and gets no ``temperature`` input; min_p then runs on the scaled
+logits, i.e. after temperature, as in vLLM. A path without one gets the per-row
+``temperature`` input, applied before min_p. Bare logits outputs (no sampler in the
+graph) get neither: the host samples and applies them itself.
+
+All-disallowed rows. min_tokens (or a ``-inf`` bias) can empty a row the grammar left
+one token in (EOS only). The logit-mask pass's ``empty_row`` policy holds on the final
+allowed set: "flag" — the ``logit_mask_empty`` output becomes ``mask_empty | no
+finite logit below V after the processors`` (added if the graph has none), so
+``Transformed`` raises ``EmptyMaskRowError``; an int token id — such a row allows
+exactly that token (logit 0) after the processors, so it emits e.g. EOS.
+
+Inputs (``R`` = the logits' leading dims, symbolic when they are; neutral fill = off)
+    min_tokens_remaining   int32[R]      tokens still required; 0
+    min_tokens_stop_ids    int64[R, S]   stop ids (EOS included), -1 padded; -1
+    logit_bias_ids         int64[R, K]   biased token ids, -1 padded; -1
+    logit_bias_values      float32[R, K] their biases; 0
+    penalty_token_ids      int64[R, L]   distinct tokens of prompt + output, -1 padded; -1
+    penalty_token_counts   int32[R, L]   times each was generated (0: prompt only); 0
+    penalty_repetition / penalty_frequency / penalty_presence  float32[R]; 1 / 0 / 0
+    temperature            float32[R]    sampling paths without their own; 1
+    min_p                  float32[R]    sampling paths; 0
+    <name>_<key>           custom processors' inputs (``LogitsProcessor.inputs``)
+
+Options
+    processors        built-in names, entry points / "module:Qualname" of custom
+                      ``LogitsProcessor`` classes; built-ins run in the order above,
+                      custom ones after the built-ins of their kind.
+    vocab_size        the tokenizer's vocabulary (default: the logits' width W).
+    empty_row         "flag" or a token id: the logit-mask pass's policy (pass the same).
+    max_stop_tokens   S; max_bias_tokens: K; max_penalty_tokens: L (default 1024).
+                      Penalties are sparse: L seen ids per row, not a dense [R, V]
+                      count tensor (12 x L bytes per row to ship instead of 5 x V).
+    num_speculative_tokens  > 0 keeps only min_tokens (others raise).
+
+Reports each site with the processors inserted there and those pruned (and why), the
+inputs added, ``logit_mask_empty`` if it added that output, and nodes inserted. A
+second application raises.
+"""
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+
+from neuron_constrain.errors import TransformError
+from neuron_constrain.kernels import (
+    allow_token_in_empty_rows,
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_temperature,
+    no_token_rows,
+)
+from neuron_constrain.processors import (
+    BUILTIN_INPUTS,
+    BUILTIN_PROCESSORS,
+    ProcessorError,
+    builtin_inputs,
+    resolve_processors,
+)
+from neuron_constrain.program import ProgramEditor, user_input_names
+from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
+from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits
+
+from .mask_logits_pass import EMPTY_OUTPUT, check_empty_row
+
+PASS_NAME = "logits_processors"
+GREEDY_KINDS = ("argmax", "max")
+
+# built-in -> (kernel, its graph inputs in kernel argument order, node name prefix)
+KERNELS = {
+    "min_tokens": (apply_min_tokens, ["min_tokens_remaining", "min_tokens_stop_ids"], "min_tokens"),
+    "logit_bias": (apply_logit_bias, ["logit_bias_ids", "logit_bias_values"], "logit_bias"),
+    "penalties": (
+        apply_penalties,
+        ["penalty_token_ids", "penalty_token_counts", "penalty_repetition", "penalty_frequency", "penalty_presence"],
+        "penalty",
+    ),
+    "temperature": (apply_temperature, ["temperature"], "temperature"),
+    "min_p": (apply_min_p, ["min_p"], "min_p"),
+}
+
+DOCS = {
+    "min_tokens_remaining": "tokens a row must still generate before a stop id may be sampled",
+    "min_tokens_stop_ids": "stop token ids masked while min_tokens_remaining > 0, -1 padded",
+    "logit_bias_ids": "token ids to bias, -1 padded",
+    "logit_bias_values": "bias added to each logit_bias_ids token",
+    "penalty_token_ids": "distinct tokens of the prompt and output so far, -1 padded",
+    "penalty_token_counts": "times each penalty_token_ids token was generated (0: prompt only)",
+    "penalty_repetition": "repetition penalty (> 0; 1 = off)",
+    "penalty_frequency": "frequency penalty (0 = off)",
+    "penalty_presence": "presence penalty (0 = off)",
+    "temperature": "per-row temperature before min_p (> 0; 1 = off)",
+    "min_p": "min_p threshold in [0, 1] (0 = off)",
+}
+
+
+def _own_scaling(stops: set, node: torch.fx.Node, width: int) -> list[torch.fx.Node]:
+    """Temperature-like scalings (div/mul) on logit-width paths from ``stops`` to ``node``."""
+    found, stack, seen = [], [node], set()
+    while stack:
+        current = stack.pop()
+        if current in stops or current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        val = current.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or val.shape[-1] != width:
+            continue
+        if current.target in SCALING_OPS:
+            found.append(current)
+        stack.extend(current.all_input_nodes)
+    return found
+
+
+def logits_processors_pass(
+    program: ExportedProgram,
+    *,
+    processors=BUILTIN_PROCESSORS,
+    vocab_size: int | None = None,
+    empty_row: str | int = "flag",
+    max_stop_tokens: int = 4,
+    max_bias_tokens: int = 16,
+    max_penalty_tokens: int = 1024,
+    num_speculative_tokens: int = 0,
+) -> tuple[ExportedProgram, PassReport]:
+    try:
+        procs = resolve_processors(processors, num_speculative_tokens=num_speculative_tokens)
+    except ProcessorError as exc:
+        raise TransformError(str(exc)) from exc
+    if not procs:
+        raise TransformError("processors=[] inserts nothing; name at least one, or pass processors=None to skip the pass")
+    existing = set(user_input_names(program))
+    if existing & set(BUILTIN_INPUTS):
+        raise TransformError(
+            f"the program already has processor inputs {sorted(existing & set(BUILTIN_INPUTS))}: the logits-processors "
+            "pass was applied already; transform the original model or program, not its rewrite"
+        )
+    if "tp_rank" in existing:
+        raise TransformError(
+            "the program's logits are one rank's vocab shard (it has a tp_rank input); the logits-processors pass "
+            "needs the full vocabulary: run it on an unsharded step, or transform with tp_degree=1"
+        )
+    for name, value in (("max_stop_tokens", max_stop_tokens), ("max_bias_tokens", max_bias_tokens),
+                        ("max_penalty_tokens", max_penalty_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TransformError(f"{name}={value!r}: use an int >= 1 (the fixed number of ids per row)")
+    check_empty_row(empty_row)
+
+    editor = ProgramEditor(program)
+    plan, vocab = plan_logits(editor.graph, editor.user_output_nodes(), vocab_size, what="one set of processor inputs")
+    width = plan.width
+    if isinstance(empty_row, int) and empty_row >= vocab:
+        raise TransformError(f"empty_row={empty_row} is not a token below vocab_size={vocab}")
+
+    # Decide everything before editing: which paths sample, which scale logits themselves.
+    stage_one = [p for p in procs if p in ("min_tokens", "logit_bias", "penalties")]
+    stage_one += [p for p in procs if not isinstance(p, str) and not p.argmax_invariant]
+    invariant = [p for p in procs if p == "min_p" or (not isinstance(p, str) and p.argmax_invariant)]
+    sampling_inputs: dict[torch.fx.Node, list] = {}  # a sampling site's logits -> its sites
+    for site, kind in plan.sites:
+        if kind not in GREEDY_KINDS:
+            sampling_inputs.setdefault(site.args[0], []).append(site)
+    own_scaling = {node: _own_scaling(set(plan.points), node, width) for node in sampling_inputs}
+    paths = {node: list(invariant) for node in sampling_inputs}
+    if "min_p" in invariant:
+        for node, scalings in own_scaling.items():
+            if not scalings:
+                paths[node].insert(paths[node].index("min_p"), "temperature")
+
+    # Inputs, all added before any code (so no inserted node takes an input's name).
+    report = PassReport(name=PASS_NAME)
+    first = plan.points[0].meta["val"]
+    rows = tuple(first.shape[:-1])
+    example_rows = tuple(int(d) if isinstance(d, int) else int(d.node.hint) for d in rows)
+    sizes = {"S": max_stop_tokens, "K": max_bias_tokens, "L": max_penalty_tokens}
+    nodes: dict[str, torch.fx.Node] = {}
+
+    def add_input(name, dtype, trailing, fill, doc):
+        val = editor.fake(lambda: torch.empty((*rows, *trailing), dtype=dtype, device=first.device))
+        nodes[name] = editor.add_input(name, val, torch.full((*example_rows, *trailing), fill, dtype=dtype))
+        report.inputs_added.append(AddedInput(name, dtype, (*symbolic_shape(rows), *trailing), fill, doc=doc))
+
+    def add_inputs_of(proc):
+        if isinstance(proc, str):
+            # min_p and temperature share a host group but are added per path
+            for name in [proc] if proc in ("min_p", "temperature") else builtin_inputs(proc):
+                if name not in nodes:
+                    _, dtype, shape, fill = BUILTIN_INPUTS[name]
+                    add_input(name, dtype, tuple(sizes[d] for d in shape), fill, DOCS[name])
+        else:
+            for key, (dtype, shape, fill) in proc.inputs.items():
+                add_input(f"{proc.name}_{key}", dtype, tuple(shape), fill, f"input {key!r} of processor {proc.name!r}")
+
+    for proc in stage_one:
+        add_inputs_of(proc)
+    for proc in dict.fromkeys(p for path in paths.values() for p in path):
+        add_inputs_of(proc)
+
+    def splice(proc, x, near):
+        if isinstance(proc, str):
+            kernel, names, prefix = KERNELS[proc]
+            return editor.splice(kernel, [x, *(nodes[n] for n in names)], near=near, prefix=prefix)
+        keys = list(proc.inputs)
+        return editor.splice(
+            lambda logits, *values: proc.apply(logits, **dict(zip(keys, values))),
+            [x, *(nodes[f"{proc.name}_{k}"] for k in keys)],
+            near=near,
+            prefix=proc.name,
+        )
+
+    def name_of(proc):
+        return proc if isinstance(proc, str) else proc.name
+
+    # Stage one, at each mask point: min_tokens, logit_bias, penalties (+ custom), then the empty-row policy.
+    output = editor.output_node
+    outputs = list(output.args[0])
+    flag_index = next((i for i, o in enumerate(outputs) if getattr(o, "name", "").startswith(EMPTY_OUTPUT)), None)
+    flag = outputs[flag_index] if flag_index is not None else None
+    processed: dict[torch.fx.Node, torch.fx.Node] = {}  # mask point -> its value after stage one
+    for point in plan.points:
+        users = [u for u in point.users if u is not output] if plan.sites else [output]
+        x = point
+        for proc in stage_one:
+            x = splice(proc, x, point)
+        if stage_one and isinstance(empty_row, int):
+            x = editor.splice(lambda v: allow_token_in_empty_rows(v, empty_row, vocab), [x], near=point, prefix="processors_empty_row")
+        elif stage_one:
+            if flag is None:
+                flag = editor.splice(lambda v: no_token_rows(v, vocab), [x], near=point, prefix=EMPTY_OUTPUT)
+            else:
+                flag = editor.splice(
+                    lambda f, v: f.logical_or(no_token_rows(v, vocab)), [flag, x], near=point, prefix=EMPTY_OUTPUT
+                )
+        for user in users:
+            user.replace_input_with(point, x)
+        processed[point] = x
+    if flag is not None and flag_index is None:
+        editor.add_output(flag)
+        report.outputs_added.append(EMPTY_OUTPUT)
+    elif flag is not None:
+        outputs[flag_index] = flag
+        output.args = (tuple(outputs),)
+
+    # Stage two, on sampling paths only: temperature (unless the path has its own), min_p (+ custom).
+    for node, sites in sampling_inputs.items():
+        start = processed.get(node, node)  # a site reading the mask point now reads stage one's output
+        y = start
+        for proc in paths[node]:
+            y = splice(proc, y, sites[0])
+        for site in sites:
+            site.replace_input_with(start, y)
+
+    done = [name_of(p) for p in stage_one]
+    for site, kind in plan.sites:
+        entry = {"node": site.name, "kind": kind, "module": module_path(site), "width": width, "vocab_size": vocab}
+        if kind in GREEDY_KINDS:
+            pruned = (["temperature"] if "min_p" in invariant else []) + [name_of(p) for p in invariant]
+            entry.update(processors=done, pruned=pruned)
+            if pruned:
+                report.notes.append(
+                    f"{site.name} ({kind}): {', '.join(pruned)} not inserted: argmax-invariant "
+                    "(temperature > 0 and min_p keep the top token, so a greedy pick cannot change)"
+                )
+        else:
+            path = paths.get(_origin(site, sampling_inputs), [])
+            entry.update(processors=done + [name_of(p) for p in path], pruned=[])
+        report.sites.append(entry)
+    for node, scalings in own_scaling.items():
+        if scalings and "min_p" in invariant:
+            report.notes.append(
+                f"the sampling path into {', '.join(s.name for s in sampling_inputs[node])} scales its logits itself "
+                f"({', '.join(s.name for s in scalings)}): no temperature input there; min_p runs on the scaled logits"
+            )
+    if not plan.sites:
+        report.sites = [
+            {"node": p.name, "kind": "logits_output", "module": module_path(p), "width": width, "vocab_size": vocab,
+             "processors": done, "pruned": [name_of(p) for p in invariant]}
+            for p in plan.points
+        ]
+        if invariant:
+            report.notes.append(
+                f"no sampler in the graph (bare logits output): {', '.join(name_of(p) for p in invariant)} "
+                "not inserted; the host sampler applies them"
+            )
+    report.nodes_inserted = len(editor.inserted)
+    return editor.build(), report
+
+
+def _origin(site, sampling_inputs) -> torch.fx.Node | None:
+    """The pre-rewrite logits node a sampling site read (its input is now our last node)."""
+    return next((node for node, sites in sampling_inputs.items() if site in sites), None)

@@ -1,0 +1,244 @@
+"""Replacement-tap pass: let a reference tensor replace a named module's output at run time.
+
+Before (GPT-OSS ``model.layers.0.mlp.router``)   After (taps=["model.layers.*.mlp.router"])
+    logits = linear(h, w, b)                         tap_..._router: f32[T, E]        # new inputs
+    top, idx = topk(logits, 2)                       tap_..._router_enabled: bool[T]
+    scores = softmax(top)                            logits = linear(h, w, b)
+    (experts read scores, idx)                       tapped = where(unsqueeze(enabled, -1), tap_..._router, logits)
+                                                     top, idx = topk(tapped, 2)   # every user reads the tap
+                                                     scores = softmax(top)
+
+A tap names a module by a glob over dotted module paths (``*`` is one path
+component, ``**`` any number; a pattern may match the end of a longer path, so
+``model.layers.*.mlp.router`` finds ``m.model.layers.0.mlp.router``). It taps the
+module's output value — output 0 when the module returns a tuple — or output ``N``
+with the selector ``pattern:N``. Which node is a module's output comes from the
+program's ``module_call_graph`` (``transform(model, taps=...)`` exports with
+``preserve_module_call_signature`` for the tapped modules, so a value the parent
+discards, such as GPT-OSS's router logits, is still found); a program exported
+without it falls back to the module's single value used outside the module.
+
+The enable flag covers the value's leading dims: rows not enabled keep the
+model's own value, so switching a tap, or which rows it replaces, never recompiles.
+
+Options (per tap, through :class:`Tap`)
+    post      a function traced into the graph that turns the replacement into the
+              tapped value's form (e.g. router logits -> top-k expert affinities);
+              the replacement input is then ``[*leading, features]`` of ``dtype``.
+    capture   also return the computed (unreplaced) value as an extra output
+              ``capture_<tap>``, so references can be captured from the same graph.
+Option (per pass)
+    sequence_parallel  N > 1 when each rank holds 1/N of the tokens (the first dim)
+              of tapped values: the replacement stays full ``[N * T_local, ...]`` and
+              is sliced inline at a ``tap_rank`` input (an int64 scalar tensor).
+
+Reports one site per tap (tap name, value node, module), the inputs and outputs
+added and the number of nodes inserted. A pattern that matches nothing raises with
+the nearest module paths of the program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import TensorArgument
+
+from neuron_constrain.errors import TransformError
+from neuron_constrain.program import ProgramEditor, user_input_names
+from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
+from neuron_constrain.sites import normalize_module_path
+
+RANK_INPUT = "tap_rank"
+CAPTURE_PREFIX = "capture_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+    """One tap: ``pattern`` (``path`` or ``path:N``) and its options (see the module doc)."""
+
+    pattern: str
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None
+    features: int | None = None
+    dtype: torch.dtype = torch.float32
+    capture: bool = False
+
+    def __post_init__(self):
+        if self.post is not None and not self.features:
+            raise TransformError(f"tap {self.pattern!r} has a post function: give features= (the replacement's last dim)")
+
+    @property
+    def module_pattern(self) -> str:
+        return self.pattern.split(":", 1)[0]
+
+    @property
+    def selector(self) -> int | None:
+        if ":" not in self.pattern:
+            return None
+        text = self.pattern.split(":", 1)[1]
+        if not text.isdigit():
+            raise TransformError(f"tap {self.pattern!r}: the selector after ':' must be an output index, e.g. ':1'")
+        return int(text)
+
+
+def as_taps(taps: Iterable[str | Tap]) -> list[Tap]:
+    result = [t if isinstance(t, Tap) else Tap(t) for t in taps]
+    bad = [t for t in result if not isinstance(t.pattern, str) or not t.module_pattern]
+    if bad:
+        raise TransformError(f"taps must be module path patterns (str or Tap), got {bad}")
+    return result
+
+
+# ----------------------------------------------------------------------------- pattern matching
+
+def _component_regex(part: str) -> str:
+    return "[^.]+" if part == "*" else "[^.]*".join(re.escape(p) for p in part.split("*"))
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    parts = [r"(?:[^.]+\.)*" if p == "**" else _component_regex(p) + r"\." for p in pattern.split(".")]
+    body = "".join(parts)
+    body = body[:-2] if body.endswith(r"\.") else body
+    return re.compile(r"(?:^|.*\.)" + body + "$")
+
+
+def match_modules(pattern: str, paths: Iterable[str]) -> list[str]:
+    """The module paths ``pattern`` matches (in the given order), or a TransformError."""
+    paths = list(dict.fromkeys(paths))
+    regex = _pattern_regex(pattern)
+    found = [p for p in paths if p and regex.match(p)]
+    if not found:
+        probe = pattern.replace("**.", "").replace("*", "0")
+        near = difflib.get_close_matches(probe, [p for p in paths if p], n=5, cutoff=0.4)
+        raise TransformError(
+            f"tap pattern {pattern!r} matches no module; nearest module paths: {near or sorted(paths)[:5]}. "
+            "Patterns are dotted module paths as named_modules() spells them, '*' = one component"
+        )
+    return found
+
+
+# ----------------------------------------------------------------------------- module outputs
+
+def _program_module_paths(program: ExportedProgram) -> list[str]:
+    paths = [e.fqn for e in program.module_call_graph if e.fqn]
+    for node in program.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            paths.append(normalize_module_path(path))
+    return list(dict.fromkeys(paths))
+
+
+def _inside(node: torch.fx.Node, path: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(normalize_module_path(p) == path for p, _ in stack.values())
+
+
+def _module_outputs(editor: ProgramEditor, path: str) -> list[torch.fx.Node | None]:
+    nodes = {n.name: n for n in editor.graph.nodes}
+    entry = next((e for e in editor.program.module_call_graph if e.fqn == path and e.signature is not None), None)
+    if entry is not None:
+        return [nodes.get(a.name) if isinstance(a, TensorArgument) else None for a in entry.signature.outputs]
+    inside = [n for n in editor.graph.nodes if n.op == "call_function" and _inside(n, path)]
+    escaping = [n for n in inside if any(u.op == "output" or not _inside(u, path) for u in n.users)]
+    if len(escaping) == 1:
+        return escaping
+    raise TransformError(
+        f"module {path!r} has {len(escaping)} values used outside it and the program does not record its "
+        f"outputs; export with preserve_module_call_signature=({path!r},) or call transform(model, taps=...)"
+    )
+
+
+def _input_name(tap_name: str) -> str:
+    return "tap_" + re.sub(r"\W", "_", tap_name)
+
+
+# ----------------------------------------------------------------------------- the pass
+
+def replacement_tap_pass(
+    program: ExportedProgram, taps: Sequence[str | Tap], *, sequence_parallel: int = 1
+) -> tuple[ExportedProgram, PassReport]:
+    taps = as_taps(taps)
+    if not taps:
+        raise TransformError("taps is empty: name at least one module pattern, e.g. 'model.layers.*.mlp.router'")
+    if not isinstance(sequence_parallel, int) or sequence_parallel < 1:
+        raise TransformError(f"sequence_parallel={sequence_parallel!r}: use the number of ranks (an int >= 1)")
+    if any(name.startswith("tap_") for name in user_input_names(program)):
+        raise TransformError("the program already has tap inputs: tap the original model or program, not its rewrite")
+
+    editor = ProgramEditor(program)
+    report = PassReport(name="taps")
+    paths = _program_module_paths(program)
+    rank = None
+    if sequence_parallel > 1:
+        rank = editor.add_tensor_input(RANK_INPUT, (), torch.int64, 0)
+        report.inputs_added.append(
+            AddedInput(RANK_INPUT, torch.int64, (), None, doc=f"this rank's index in [0, {sequence_parallel})")
+        )
+
+    seen: dict[str, str] = {}
+    for tap in taps:
+        for path in match_modules(tap.module_pattern, paths):
+            name = path if tap.selector is None else f"{path}:{tap.selector}"
+            if name in seen:
+                raise TransformError(f"tap {name!r} is named by both {seen[name]!r} and {tap.pattern!r}")
+            seen[name] = tap.pattern
+            outputs = _module_outputs(editor, path)
+            index = tap.selector or 0
+            if index >= len(outputs) or outputs[index] is None:
+                raise TransformError(
+                    f"tap {tap.pattern!r}: module {path!r} has no tensor output {index} "
+                    f"(it returns {len(outputs)} value(s))"
+                )
+            value = outputs[index]
+            if len(outputs) > 1 and tap.selector is None:
+                report.notes.append(f"{name}: module returns {len(outputs)} values, tapped output 0 (use ':N' for others)")
+            _insert_tap(editor, report, tap, name, value, rank, sequence_parallel)
+    report.nodes_inserted = len(editor.inserted)
+    return editor.build(), report
+
+
+def _insert_tap(editor, report, tap: Tap, name: str, value, rank, world: int) -> None:
+    val = value.meta["val"]
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        raise TransformError(f"tap {name!r}: the value {value.name!r} is not a tensor with a feature dim")
+    leading = tuple(val.shape[:-1])
+    features = tap.features if tap.post is not None else val.shape[-1]
+    dtype = tap.dtype if tap.post is not None else val.dtype
+    full_leading = ((world * leading[0], *leading[1:]) if leading else ()) if world > 1 else leading
+    if world > 1 and not leading:
+        raise TransformError(f"tap {name!r}: sequence_parallel needs a token dim, but {value.name!r} has shape {tuple(val.shape)}")
+    input_name = _input_name(name)
+    users = list(value.users)
+    replacement = editor.add_tensor_input(input_name, (*full_leading, features), dtype, 0, device=val.device)
+    enabled = editor.add_tensor_input(input_name + "_enabled", full_leading, torch.bool, False, device=val.device)
+    report.inputs_added += [
+        AddedInput(input_name, dtype, symbolic_shape((*full_leading, features)), 0,
+                   doc=f"replacement for {name}", tap=(name, "values")),
+        AddedInput(input_name + "_enabled", torch.bool, symbolic_shape(full_leading), False,
+                   doc=f"rows of {name} to replace", tap=(name, "enabled")),
+    ]
+
+    def tapped(computed, replacement, enabled, *rank_arg):
+        if rank_arg:
+            rows = computed.shape[0]
+            index = rank_arg[0] * rows + torch.arange(rows, device=computed.device)
+            replacement, enabled = replacement.index_select(0, index), enabled.index_select(0, index)
+        if tap.post is not None:
+            replacement = tap.post(replacement)
+        if replacement.shape != computed.shape:
+            raise TransformError(
+                f"tap {name!r}: post returned shape {tuple(replacement.shape)} but the tapped value has "
+                f"{tuple(computed.shape)}"
+            )
+        return torch.where(enabled.unsqueeze(-1), replacement.to(computed.dtype), computed)
+
+    args = [value, replacement, enabled] + ([rank] if rank is not None else [])
+    new = editor.splice(tapped, args, near=value, prefix=input_name)
+    for user in users:
+        user.replace_input_with(value, new)
+    if tap.capture:
+        editor.add_output(value)
+        report.outputs_added.append(CAPTURE_PREFIX + name)
+    report.sites.append({"node": value.name, "kind": "tap", "module": name.split(":")[0], "tap": name})

@@ -1,0 +1,194 @@
+"""XLA lowering (main lane, torch-xla on the CPU): one compilation for every mask and
+tap state, the mask as an HLO parameter, the ``hlo`` command, and torch-neuronx.
+
+Compilations are counted with torch-xla's ``CompileTime`` metric. On the latest lane
+(no torch-xla) these tests skip with the reason, except the ones that check what
+happens without it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import neuron_constrain as nc
+from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
+from neuron_constrain.xla import MissingDependencyError, example_inputs, hlo_parameters, lower, to_neff, to_xla
+from test_backend import BATCH, PADDED, SEQ, TAPS, VOCAB, check_cases
+
+NO_XLA = "torch-xla is installed on the main lane only (torch 2.9); the latest lane has none"
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+SCRIPT = Path(sys.executable).parent / "neuron-constrain"
+
+
+@pytest.fixture
+def xla():
+    torch_xla = pytest.importorskip("torch_xla", reason=NO_XLA)
+    import torch_xla.debug.metrics as met
+
+    return torch_xla, met
+
+
+def compilations(met) -> int:
+    data = met.metric_data("CompileTime")
+    return 0 if data is None else data[0]
+
+
+def exported_step(arch: str = "llama"):
+    model = tiny_decoder(arch, vocab_size=PADDED)
+    ids = random_ids(BATCH, SEQ, VOCAB)
+    with torch.no_grad():
+        program = torch.export.export(GreedyStep(model), (ids,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    return model, ids, program
+
+
+# ----------------------------------------------------------------------------- zero recompiles
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_transformed_program_compiles_once_on_xla(xla, arch):
+    torch_xla, met = xla
+    model = tiny_decoder(arch, vocab_size=PADDED)
+    ids = random_ids(BATCH, SEQ, VOCAB)
+    transformed = nc.transform(GreedyStep(model), (ids,), dynamic_shapes=({0: torch.export.Dim("batch")},),
+                               vocab_size=VOCAB, taps=TAPS)
+    on_xla = to_xla(transformed)
+    device = torch_xla.device()
+    met.clear_all()
+    with torch.no_grad():
+        check_cases(model, ids, lambda ids, mask: on_xla(
+            ids.to(device), **({} if mask is None else {"logit_mask": mask.to(device)})
+        ))
+    assert compilations(met) == 1, f"expected one XLA compilation for every mask and tap state, got {compilations(met)}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_openxla_backend_compiles_once(xla, arch):
+    torch_xla, met = xla
+    torch._dynamo.reset()
+    device = torch_xla.device()
+    model = tiny_decoder(arch, vocab_size=PADDED)
+    ids = random_ids(BATCH, SEQ, VOCAB)
+    on_device = copy.deepcopy(model).to(device)  # the eager reference runs `model` on the host
+    compiled = nc.compile(GreedyStep(on_device), inner="openxla", vocab_size=VOCAB, taps=TAPS)
+    met.clear_all()
+    try:
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            check_cases(model, ids, lambda ids, mask: compiled(
+                ids.to(device), logit_mask=None if mask is None else mask.to(device)
+            ))
+    finally:
+        torch._dynamo.reset()
+    assert compiled.backend.graphs_compiled == 1
+    assert compilations(met) == 1, f"expected one XLA compilation, got {compilations(met)}"
+
+
+# ----------------------------------------------------------------------------- HLO
+
+
+HLO_SNIPPET = """HloModule IrToHlo.12, entry_computation_layout={(s32[3,32]{1,0}, f32[])->(s64[3]{0})}
+
+%AddComputation.1 (x.2: f32[], y.3: f32[]) -> f32[] {
+  %x.2 = f32[] parameter(0)
+  %y.3 = f32[] parameter(1)
+  ROOT %add.4 = f32[] add(f32[] %x.2, f32[] %y.3)
+}
+
+ENTRY %IrToHlo.12 (p0.1: s32[3,32], p1.5: f32[]) -> (s64[3]) {
+  %p1.5 = f32[] parameter(1)
+  %p0.1 = s32[3,32]{1,0} parameter(0)
+  ROOT %tuple.11 = (s64[3]{0}) tuple(s64[3]{0} %p0.1)
+}
+"""
+
+
+def test_hlo_parameters_reads_the_entry_computation_only():
+    params = hlo_parameters(HLO_SNIPPET, ["logit_mask", None])
+    assert [(p.index, p.dtype, p.shape, p.name) for p in params] == [(0, "s32", (3, 32), "logit_mask"), (1, "f32", (), None)]
+    assert str(params[0]) == "p0 s32[3,32] logit_mask"
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        hlo_parameters("HloModule empty")
+
+
+@pytest.mark.parametrize("mask_format, dtype, width", [("packed", "s32", (VOCAB + 31) // 32), ("bool", "pred", VOCAB)])
+def test_lowered_hlo_takes_the_mask_as_a_parameter(xla, mask_format, dtype, width):
+    _, met = xla
+    _, ids, program = exported_step()
+    transformed = nc.transform(program, logit_mask=mask_format, vocab_size=VOCAB)
+    met.clear_all()
+    plain, rewritten = lower(program), lower(transformed)
+    assert compilations(met) == 0, "lowering must not compile"
+    inputs = {p.name: (p.dtype, p.shape) for p in rewritten.parameters if p.name in ("input_ids", "logit_mask")}
+    assert inputs == {"input_ids": ("s64", (BATCH, SEQ)), "logit_mask": (dtype, (BATCH, width))}
+    # the mask is the only new tensor parameter (the inserted code adds a few scalars: -inf, 0)
+    canonical = lambda ps: sorted((p.dtype, p.shape) for p in ps if p.shape)  # noqa: E731
+    assert canonical(rewritten.parameters) == sorted(canonical(plain.parameters) + [(dtype, (BATCH, width))])
+    assert "logit_mask" not in {p.name for p in plain.parameters}
+
+
+def test_hlo_command_writes_the_rewritten_program(tmp_path, xla):
+    _, _, program = exported_step()
+    path = tmp_path / "llama.rewritten.pt2"
+    torch.export.save(nc.transform(program, vocab_size=VOCAB).program, path)
+    out = tmp_path / "llama.hlo.txt"
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    result = subprocess.run([str(SCRIPT), "hlo", str(path), "-o", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"s32[{BATCH},32] logit_mask" in result.stdout, result.stdout  # the inputs' parameters are listed
+    params = hlo_parameters(out.read_text())
+    assert ("s32", (BATCH, 32)) in [(p.dtype, p.shape) for p in params]
+    to_stdout = subprocess.run([str(SCRIPT), "hlo", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert to_stdout.returncode == 0 and to_stdout.stdout == out.read_text()
+
+
+@pytest.mark.skipif(HAS_XLA, reason="torch-xla is installed on this lane; its absence is checked on the latest lane")
+def test_hlo_command_without_torch_xla_says_what_to_install(tmp_path):
+    _, _, program = exported_step()
+    path = tmp_path / "llama.pt2"
+    torch.export.save(program, path)
+    result = subprocess.run([str(SCRIPT), "hlo", str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        "neuron-constrain hlo: error: torch-xla is not installed: lowering to HLO needs it (pip install "
+        "torch-xla==2.9.0 next to torch==2.9.0, or neuron-constrain[xla]; the main lane `make test` has it)"
+    )
+    with pytest.raises(MissingDependencyError, match="torch-xla is not installed"):
+        lower(program)
+
+
+def test_example_inputs_without_saved_ones_use_the_size_hints():
+    _, ids, program = exported_step()
+    transformed = nc.transform(program, vocab_size=VOCAB)
+    args, kwargs = example_inputs(transformed)
+    assert torch.equal(args[0], ids) and kwargs["logit_mask"].shape == (BATCH, 32)
+    transformed.program._example_inputs = None  # as in programs saved without them
+    (zeros,), kwargs = example_inputs(transformed)
+    assert zeros.shape == ids.shape and zeros.dtype == ids.dtype
+    assert kwargs["logit_mask"].shape == (BATCH, 32) and kwargs["logit_mask"].dtype == torch.int32
+
+
+# ----------------------------------------------------------------------------- torch-neuronx
+
+
+def test_neff_needs_torch_neuronx():
+    if importlib.util.find_spec("torch_neuronx") is not None:
+        pytest.skip("torch-neuronx is installed: test_neff_trace runs instead")
+    _, _, program = exported_step()
+    with pytest.raises(MissingDependencyError, match="torch-neuronx is not installed"):
+        to_neff(nc.transform(program, vocab_size=VOCAB))
+
+
+def test_neff_trace():
+    pytest.importorskip("torch_neuronx", reason="torch-neuronx is not installable here (PyPI has a placeholder); runs on Neuron hosts")
+    model, ids, program = exported_step()
+    traced = to_neff(nc.transform(program, vocab_size=VOCAB))
+    mask = torch.full((BATCH, 32), -1, dtype=torch.int32)
+    tokens = traced(ids, mask)
+    tokens = tokens[0] if isinstance(tokens, tuple) else tokens
+    assert tokens.shape == (BATCH,)
