@@ -65,6 +65,12 @@ def _check_readable(path: str) -> None:
         raise UsageError(f"{path}: permission denied")
 
 
+def _check_output_dir(path: str) -> None:
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"-o {path}: directory {out_dir} does not exist; create it first")
+
+
 def _check_archive(path: str) -> None:
     """Reject non-zip, truncated and corrupt files before torch sees them (its errors are noisy)."""
     fix = "save the program again with torch.export.save(program, path)"
@@ -167,9 +173,7 @@ def _rewrite(args: argparse.Namespace) -> int:
     empty_row = _parse_empty_row(args.empty_row or "flag")
     if os.path.abspath(args.output) == os.path.abspath(args.input):
         raise UsageError(f"-o {args.output} is the input file; write the rewrite to a new path")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise UsageError(f"-o {args.output}: directory {out_dir} does not exist; create it first")
+    _check_output_dir(args.output)
 
     progress = _Progress()
     program = load_program(args.input, progress, args.debug)
@@ -407,9 +411,7 @@ def _hlo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch_xla") is None:
         raise UsageError(_INSTALL["torch_xla"])
     if args.output is not None:
-        out_dir = os.path.dirname(os.path.abspath(args.output))
-        if not os.path.isdir(out_dir):
-            raise UsageError(f"-o {args.output}: directory {out_dir} does not exist; create it first")
+        _check_output_dir(args.output)
     progress = _Progress()
     program = load_program(args.input, progress, args.debug)
     from neuron_constrain.xla import lower
