@@ -334,8 +334,8 @@ def check_taps(program) -> list[str]:
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
             failures.append(f"{name}_enabled must be a bool tensor over the tapped value's rows")
         wheres = [
-            n for n in program.graph.nodes
-            if n.target is torch.ops.aten.where.self and _depends_on(n.args[0], enabled) and _depends_on(n.args[1], nodes[name])
+            n for n in _wheres_fed_by(enabled)
+            if _depends_on(n.args[0], enabled) and _depends_on(n.args[1], nodes[name])
         ]
         if not wheres:
             failures.append(f"tap {name}: no where({name}_enabled, {name}, computed) node; the replacement is never used")
@@ -348,6 +348,21 @@ def check_taps(program) -> list[str]:
                 "bypassing the tap: a replacement would not reach them; rewrite the original program again"
             )
     return failures
+
+
+def _wheres_fed_by(source) -> list:
+    """The ``where`` nodes ``source`` reaches through non-``where`` nodes: a tap's own
+    select, found without walking the whole graph once per tap."""
+    import torch
+
+    found, seen, stack = [], set(), [source]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            (found if user.target is torch.ops.aten.where.self else stack).append(user)
+    return found
 
 
 def _depends_on(node, source) -> bool:

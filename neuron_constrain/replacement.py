@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from neuron_constrain.errors import InputError
+from neuron_constrain.passes.replacement_tap_pass import as_taps, match_modules
 
 __all__ = [
     "set_active_context",
@@ -116,22 +118,15 @@ def tap_input(name: str, shape: tuple, dtype: torch.dtype, device, role: str) ->
         rows = shape
         if enabled is None:
             return torch.ones(rows, dtype=torch.bool).to(device)
-        if enabled.numel() != _numel(rows):
-            raise InputError(f"the enable flags for tap {name!r} have {enabled.numel()} rows; the graph has {_numel(rows)} {tuple(rows)}")
+        if enabled.numel() != math.prod(rows):
+            raise InputError(f"the enable flags for tap {name!r} have {enabled.numel()} rows; the graph has {math.prod(rows)} {tuple(rows)}")
         return enabled.reshape(rows).to(device=device, dtype=torch.bool)
-    if values.numel() != _numel(shape):
+    if values.numel() != math.prod(shape):
         raise InputError(
             f"the replacement for tap {name!r} has shape {tuple(values.shape)} ({values.numel()} values) but the "
             f"tapped value is {tuple(shape)}: give [rows, features] for exactly these inputs' rows"
         )
     return values.reshape(shape).to(device=device, dtype=dtype)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 # ----------------------------------------------------------------------------- reference captures
@@ -294,8 +289,6 @@ def capture(model: torch.nn.Module, prompts: Sequence[Sequence[int]], taps: Iter
     given to ``transform`` (``Tap`` or ``"path"`` / ``"path:N"``); names match the
     tap names of the transformed model when ``model`` is built like it.
     """
-    from neuron_constrain.passes.replacement_tap_pass import as_taps, match_modules
-
     modules = dict(model.named_modules())
     hooks, current = [], {}
     try:

@@ -199,13 +199,11 @@ def logits_processors_pass(
     report = PassReport(name=PASS_NAME)
     first = plan.points[0].meta["val"]
     rows = tuple(first.shape[:-1])
-    example_rows = tuple(int(d) if isinstance(d, int) else int(d.node.hint) for d in rows)
     sizes = {"S": max_stop_tokens, "K": max_bias_tokens, "L": max_penalty_tokens}
     nodes: dict[str, torch.fx.Node] = {}
 
     def add_input(name, dtype, trailing, fill, doc):
-        val = editor.fake(lambda: torch.empty((*rows, *trailing), dtype=dtype, device=first.device))
-        nodes[name] = editor.add_input(name, val, torch.full((*example_rows, *trailing), fill, dtype=dtype))
+        nodes[name] = editor.add_tensor_input(name, (*rows, *trailing), dtype, fill, device=first.device)
         report.inputs_added.append(AddedInput(name, dtype, (*symbolic_shape(rows), *trailing), fill, doc=doc))
 
     def add_inputs_of(proc):

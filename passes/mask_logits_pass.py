@@ -106,12 +106,8 @@ def mask_logits_pass(
     first = plan.points[0].meta["val"]
     mask_width = packed_width(vocab) if mask_format == "packed" else vocab
     mask_dtype = torch.int32 if mask_format == "packed" else torch.bool
-    mask_val = editor.fake(
-        lambda: torch.empty((*first.shape[:-1], mask_width), dtype=mask_dtype, device=first.device)
-    )
-    example_rows = tuple(int(d) if isinstance(d, int) else int(d.node.hint) for d in first.shape[:-1])
     fill = -1 if mask_format == "packed" else True
-    mask = editor.add_input(MASK_INPUT, mask_val, torch.full((*example_rows, mask_width), fill, dtype=mask_dtype))
+    mask = editor.add_tensor_input(MASK_INPUT, (*first.shape[:-1], mask_width), mask_dtype, fill, device=first.device)
 
     report = PassReport(name="logit_mask")
     report.inputs_added.append(
@@ -121,8 +117,7 @@ def mask_logits_pass(
     fallback = None if empty_row == "flag" else empty_row
     mask_args = [mask]
     if tp_degree > 1:
-        rank_val = editor.fake(lambda: torch.empty((1,), dtype=torch.int32, device=first.device))
-        mask_args.append(editor.add_input(RANK_INPUT, rank_val, torch.zeros((1,), dtype=torch.int32)))
+        mask_args.append(editor.add_tensor_input(RANK_INPUT, (1,), torch.int32, 0, device=first.device))
         report.inputs_added.append(
             AddedInput(RANK_INPUT, torch.int32, (1,), None, bounds=(0, tp_degree),
                        doc=f"this rank's index among tp_degree={tp_degree} vocab shards of {width} columns")
