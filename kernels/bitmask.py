@@ -30,11 +30,9 @@ __all__ = [
     "shard_columns",
     "allowed_shard_columns",
     "apply_bitmask",
-    "apply_bool_mask",
     "masked_argmax",
     "empty_rows",
     "pack_bool_mask",
-    "all_allowed_bitmask",
 ]
 
 
@@ -66,6 +64,17 @@ def _check_packed(packed: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+def _check_mask(mask: torch.Tensor, vocab_size: int) -> None:
+    """A packed int32 mask of ``ceil(V/32)`` words or a bool mask of ``V`` columns."""
+    if mask.dtype != torch.bool:
+        _check_packed(mask, vocab_size)
+    elif mask.shape[-1] != vocab_size:
+        raise ValueError(
+            f"bool logit mask has {mask.shape[-1]} columns but vocab_size={vocab_size}; "
+            f"pass vocab_size={mask.shape[-1]} or a mask of width {vocab_size}"
+        )
+
+
 def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed)."""
     _check_packed(packed, vocab_size)
@@ -94,14 +103,8 @@ def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = Non
     ``vocab_size`` defaults to ``width``; columns at or past it are disallowed.
     """
     vocab_size = width if vocab_size is None else vocab_size
-    if mask.dtype == torch.bool:
-        if mask.shape[-1] != vocab_size:
-            raise ValueError(
-                f"bool logit mask has {mask.shape[-1]} columns but vocab_size={vocab_size}; "
-                f"pass vocab_size={mask.shape[-1]} or a mask of width {vocab_size}"
-            )
-        return _fit_width(mask, width)
-    return _fit_width(unpack_bitmask(mask, vocab_size), width)
+    _check_mask(mask, vocab_size)
+    return _fit_width(mask if mask.dtype == torch.bool else unpack_bitmask(mask, vocab_size), width)
 
 
 def shard_columns(rank: torch.Tensor, shard_width: int) -> torch.Tensor:
@@ -124,14 +127,7 @@ def allowed_shard_columns(
     ANDed with the bit ``c % 32``), so a shard may start mid-word. Columns at or past
     ``vocab_size`` (the padded last shard, a padded lm_head) are disallowed.
     """
-    if mask.dtype == torch.bool:
-        if mask.shape[-1] != vocab_size:
-            raise ValueError(
-                f"bool logit mask has {mask.shape[-1]} columns but vocab_size={vocab_size}; "
-                f"pass vocab_size={mask.shape[-1]} or a mask of width {vocab_size}"
-            )
-    else:
-        _check_packed(mask, vocab_size)
+    _check_mask(mask, vocab_size)
     columns = shard_columns(rank, shard_width)
     real = columns < vocab_size
     safe = torch.where(real, columns, 0)  # padding columns read token 0, then are forced off
@@ -142,19 +138,31 @@ def allowed_shard_columns(
     return torch.bitwise_and(words, bits).ne(0).logical_and(real)
 
 
-def apply_bitmask(logits: torch.Tensor, packed: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Return logits with ``-inf`` where the packed mask disallows a token.
+def apply_bitmask(
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    vocab_size: int | None = None,
+    *,
+    rank: torch.Tensor | None = None,
+    empty_token: int | None = None,
+) -> torch.Tensor:
+    """Return logits with ``-inf`` where ``mask`` (packed int32 or bool) disallows a token.
 
     Functional (the input is not written). ``vocab_size`` defaults to the logits'
-    width; columns at or past it are disallowed.
+    width; columns at or past it are disallowed. ``rank``: the logits are this
+    rank's vocab shard of a vocab-parallel lm_head (``mask`` stays the full mask).
+    ``empty_token``: a row whose mask allows nothing allows exactly this token.
+    This is the kernel the logit-mask pass inserts.
     """
-    allowed = allowed_columns(packed, logits.shape[-1], vocab_size)
-    return logits.masked_fill(allowed.logical_not(), float("-inf"))
-
-
-def apply_bool_mask(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Bool-mask twin of :func:`apply_bitmask`."""
-    allowed = allowed_columns(mask, logits.shape[-1], vocab_size)
+    width = logits.shape[-1]
+    vocab_size = width if vocab_size is None else vocab_size
+    if rank is None:
+        allowed = allowed_columns(mask, width, vocab_size)
+    else:
+        allowed = allowed_shard_columns(mask, width, vocab_size, rank)
+    if empty_token is not None:
+        columns = torch.arange(width, device=logits.device) if rank is None else shard_columns(rank, width)
+        allowed = allowed.logical_or(empty_rows(mask, vocab_size).unsqueeze(-1).logical_and(columns == empty_token))
     return logits.masked_fill(allowed.logical_not(), float("-inf"))
 
 
@@ -207,8 +215,3 @@ def pack_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     )
     value = (words * powers).sum(-1)
     return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
-
-
-def all_allowed_bitmask(*leading: int, vocab_size: int, device=None) -> torch.Tensor:
-    """A packed mask that allows every token: every word ``-1``."""
-    return torch.full((*leading, packed_width(vocab_size)), ALL_ALLOWED_WORD, dtype=torch.int32, device=device)

@@ -1,10 +1,13 @@
 """neuron-constrain: compiler passes that make exported decoders grammar-constrainable."""
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.loading import LoadError, load
 from neuron_constrain.passes.replacement_tap_pass import Tap
 from neuron_constrain.report import PassReport, TransformReport
 from neuron_constrain.transform import Transformed, transform
-# After transform: binds nc.backend to the factory function (not the submodule).
-from neuron_constrain.backend import Backend, Compiled, backend, compile
+# nc.backend is the submodule, callable as the factory: nc.backend(inner=...) and
+# nc.backend.default_backend both work.
+from neuron_constrain import backend
+from neuron_constrain.backend import Backend, Compiled, compile
 
 __version__ = "0.1.0"
 
@@ -13,6 +16,7 @@ __all__ = [
     "Compiled",
     "EmptyMaskRowError",
     "InputError",
+    "LoadError",
     "PassReport",
     "Tap",
     "TransformError",
@@ -20,5 +24,6 @@ __all__ = [
     "Transformed",
     "backend",
     "compile",
+    "load",
     "transform",
 ]

@@ -43,7 +43,11 @@ unchanged. Shapes must be static per graph (``dynamic=False``, the default of
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import re
+import sys
+import types
 import threading
 from typing import Callable
 
@@ -55,6 +59,9 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import InputError, TransformError
+from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT
+from neuron_constrain.passes.replacement_tap_pass import INPUT_PREFIX
+from neuron_constrain.processors.registry import BUILTIN_INPUTS
 from neuron_constrain.sites import find_logits_root
 from neuron_constrain.transform import Transformed, strip_added_outputs, transform
 
@@ -127,7 +134,7 @@ class Backend:
                 "compile with dynamic=False (nc.compile does): each shape gets its own static graph, as on Neuron"
             )
         with torch.no_grad():
-            program = torch.export.export(gm, tuple(example_inputs), strict=False)
+            program = torch.export.export(_without_grad_toggles(gm), tuple(example_inputs), strict=False)
         if self.pass_options.get("logit_mask") is not None and find_logits_root(
             program.graph, self.pass_options.get("vocab_size")
         ) is None:
@@ -196,6 +203,20 @@ class Backend:
         return run
 
 
+def _without_grad_toggles(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of dynamo's graph without its ``_set_grad_enabled`` calls (a model's own
+    ``@torch.no_grad()`` blocks, e.g. HF's rotary embedding). A decode step is
+    inference: the values are the same, and re-exporting would otherwise wrap the rest
+    of the graph in a ``wrap_with_set_grad_enabled`` region the passes cannot see into."""
+    toggles = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if not toggles:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]:
+        graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
 def backend(inner: str | Callable = "inductor", **pass_options) -> Backend:
     """A ``torch.compile`` backend running our passes before ``inner`` (see :class:`Backend`)."""
     return Backend(inner, **pass_options)
@@ -219,12 +240,23 @@ class Compiled:
         self._model_kwargs = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
     def _added_names(self) -> set:
-        from neuron_constrain.passes.mask_logits_pass import MASK_INPUT
-
         names = {i.name for r in self.backend.reports for i in r.inputs_added}
         if self.backend.pass_options.get("logit_mask") is not None:
             names.add(MASK_INPUT)
         return names
+
+    def _may_add(self, name: str) -> bool:
+        """Whether the configured passes add (or may add, once compiled) an input called ``name``."""
+        options = self.backend.pass_options
+        if name in self._added_names():
+            return True
+        if options.get("logit_mask") is not None and (name == RANK_INPUT or re.fullmatch(MASK_INPUT + r"(_\d+)?", name)):
+            return True
+        if options.get("taps") and name.startswith(INPUT_PREFIX):
+            return True
+        processors = options.get("processors") or ()
+        custom = [p if isinstance(p, str) else getattr(p, "name", "") for p in processors]
+        return bool(processors) and (name in BUILTIN_INPUTS or any(name.startswith(f"{c}_") for c in custom))
 
     def __call__(self, *args, **kwargs):
         added = self._added_names()
@@ -232,6 +264,13 @@ class Compiled:
             k: kwargs.pop(k) for k in list(kwargs)
             if k in added or (not self._takes_any_kwarg and k not in self._model_kwargs)
         }
+        unknown = sorted(k for k in fed if not self._may_add(k))
+        if unknown:
+            raise InputError(
+                f"unexpected keyword(s) {unknown}: not arguments of the model's forward "
+                f"({', '.join(sorted(self._model_kwargs)) or 'no keywords'}) and not inputs the configured passes add "
+                f"({', '.join(sorted(added)) or 'none yet'}); check the spelling"
+            )
         try:
             with self.backend.feed(**fed):
                 return self.compiled(*args, **kwargs)
@@ -254,3 +293,14 @@ def compile(model: Callable, *, inner: str | Callable = "inductor", dynamic: boo
 
 default_backend = Backend("inductor")
 torch._dynamo.register_backend(default_backend, name=BACKEND_NAME)
+
+
+class _CallableModule(types.ModuleType):
+    """``neuron_constrain.backend(...)`` is the :func:`backend` factory while
+    ``neuron_constrain.backend.default_backend`` stays this module's attribute."""
+
+    def __call__(self, *args, **kwargs) -> Backend:
+        return backend(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

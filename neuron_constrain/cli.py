@@ -6,22 +6,25 @@
     neuron-constrain diff A B                         # .pt2 or canonical text; exit 1 if different
     neuron-constrain check IN.pt2 [--expect GOLDEN.txt [--update]]
     neuron-constrain hlo IN.pt2 [-o OUT.hlo.txt]        # HLO text via torch-xla (the mask is a parameter)
+    neuron-constrain localize IN.pt2 --captures CAPTURES [--json OUT.json] [--plot OUT.png]   # exit 1: a culprit
     neuron-constrain demo
 
 Exit status: 0 ok, 1 a check failed or the graphs differ, 2 bad usage or unreadable
 input (one line naming the problem; ``--debug`` shows the traceback).
+
+A ``.pt2`` is read with ``neuron_constrain.load``: nothing in it runs, and a file that
+would need pickle (or is malformed) is refused with exit 2, naming the entry;
+``--allow-pickle`` loads a file you trust with ``torch.export.load``.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
 import warnings
-import zipfile
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -71,28 +74,11 @@ def _check_output_dir(path: str) -> None:
         raise UsageError(f"-o {path}: directory {out_dir} does not exist; create it first")
 
 
-def _check_archive(path: str) -> None:
-    """Reject non-zip, truncated and corrupt files before torch sees them (its errors are noisy)."""
-    fix = "save the program again with torch.export.save(program, path)"
-    if os.path.getsize(path) == 0:
-        raise UsageError(f"{path} is empty, not a .pt2 archive; {fix}")
-    if not zipfile.is_zipfile(path):
-        raise UsageError(f"{path} is not a .pt2 archive (not a zip file, or truncated); {fix}")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise UsageError(f"{path} is a damaged .pt2 archive ({e}); {fix}") from e
-    if bad is not None:
-        raise UsageError(f"{path} is a corrupt .pt2 archive: {bad!r} fails its checksum; {fix}")
-
-
-def load_program(path: str, progress: _Progress, debug: bool):
-    """``torch.export.load`` with the file checked first and torch's load chatter silenced."""
+def load_program(path: str, progress: _Progress, debug: bool, allow_pickle: bool = False):
+    """``neuron_constrain.load`` (nothing in the file runs unless ``--allow-pickle``), torch's load chatter silenced."""
     _check_readable(path)
-    _check_archive(path)
     with progress.step(f"loading {path} ({os.path.getsize(path) / 1e6:.1f} MB)"):
-        import torch
+        from neuron_constrain.loading import LoadError, load
 
         logger = logging.getLogger("torch.export")
         level = logger.level
@@ -101,20 +87,16 @@ def load_program(path: str, progress: _Progress, debug: bool):
                 if not debug:
                     warnings.simplefilter("ignore")
                     logger.setLevel(logging.CRITICAL)
-                return torch.export.load(path)
-        except Exception as e:
+                return load(path, allow_pickle=allow_pickle)
+        except LoadError as e:
             if debug:
                 raise
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(
-                f"{path} is a zip archive but not a loadable exported program ({reason}); "
-                "write it with torch.export.save(torch.export.export(model, args), path)"
-            ) from e
+            raise UsageError(str(e)) from e
         finally:
             logger.setLevel(level)
 
 
-def _read_graph(path: str, progress: _Progress, debug: bool):
+def _read_graph(path: str, progress: _Progress, debug: bool, allow_pickle: bool = False):
     """A canonical graph from a .pt2 or from a saved canonical text."""
     from neuron_constrain.canonical import canonical_text, is_canonical_text, parse_canonical
 
@@ -128,7 +110,7 @@ def _read_graph(path: str, progress: _Progress, debug: bool):
             return parse_canonical(text)
         except ValueError as e:
             raise UsageError(f"{path}: {e}; regenerate it with `neuron-constrain show`") from e
-    return parse_canonical(canonical_text(load_program(path, progress, debug)))
+    return parse_canonical(canonical_text(load_program(path, progress, debug, allow_pickle)))
 
 
 # ----------------------------------------------------------------------------- commands
@@ -176,7 +158,7 @@ def _rewrite(args: argparse.Namespace) -> int:
     _check_output_dir(args.output)
 
     progress = _Progress()
-    program = load_program(args.input, progress, args.debug)
+    program = load_program(args.input, progress, args.debug, args.allow_pickle)
 
     import torch
 
@@ -189,7 +171,7 @@ def _rewrite(args: argparse.Namespace) -> int:
                 logit_mask=(args.logit_mask or "packed") if "logit_mask" in passes else None,
                 vocab_size=args.vocab_size,
                 empty_row=empty_row,
-                tp_degree=args.tp_degree or 1,
+                tp_degree=1 if args.tp_degree is None else args.tp_degree,
                 taps=args.tap if "taps" in passes else (),
             )
         except TransformError as e:
@@ -207,175 +189,20 @@ def _rewrite(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from neuron_constrain.canonical import canonical_text
 
-    program = load_program(args.input, _Progress(), args.debug)
+    program = load_program(args.input, _Progress(), args.debug, args.allow_pickle)
     sys.stdout.write(canonical_text(program))
     return EXIT_OK
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from neuron_constrain.canonical import diff_graphs
+    from neuron_constrain.graph_diff import diff_graphs
 
     progress = _Progress()
-    a = _read_graph(args.a, progress, args.debug)
-    b = _read_graph(args.b, progress, args.debug)
+    a = _read_graph(args.a, progress, args.debug, args.allow_pickle)
+    b = _read_graph(args.b, progress, args.debug, args.allow_pickle)
     result = diff_graphs(a, b, args.a, args.b)
     sys.stdout.write(result.render(args.a, args.b))
     return EXIT_OK if result.equal else EXIT_FAILED
-
-
-def check_program(program, vocab_size: int | None = None) -> list[str]:
-    """Invariants of a rewritten program; returns the failures (empty: all hold)."""
-    import torch
-    from torch.export.graph_signature import InputKind
-
-    from neuron_constrain.canonical import _keyword_inputs
-    from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT
-    from torch.export.graph_signature import OutputKind
-    from neuron_constrain.sites import module_path, plan_mask_points
-
-    failures: list[str] = []
-    try:
-        program.validate()
-    except Exception as e:  # the verifier's own message says what is wrong
-        failures.append(f"torch's verifier rejects the program: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
-
-    failures += check_taps(program)
-    graph = program.graph
-    user_inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
-    if MASK_INPUT not in user_inputs and any(n.startswith("tap_") for n in user_inputs):
-        return failures  # a taps-only rewrite: nothing to say about sampling
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    user_outputs = [
-        o for o, s in zip(output.args[0], program.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
-    ]
-    # A vocab-parallel program (a tp_rank input) has one rank's shard of the logits and the full mask.
-    sharded = any(s.kind == InputKind.USER_INPUT and s.arg.name == RANK_INPUT for s in program.graph_signature.input_specs)
-    plan = plan_mask_points(graph, user_outputs, None if sharded else vocab_size)
-    if plan is None:
-        raise UsageError(
-            "the program has no logits (no vocabulary projection feeding a sampler or an output); "
-            "check verifies decoders rewritten by `neuron-constrain rewrite`"
-            + ("" if vocab_size is None else f" — or --vocab-size {vocab_size} is wider than its logits")
-        )
-    masks = [
-        n for n in graph.nodes
-        if n.op == "placeholder" and n.name == MASK_INPUT
-        and any(s.kind == InputKind.USER_INPUT and s.arg.name == MASK_INPUT for s in program.graph_signature.input_specs)
-    ]
-    targets = [(site, kind) for site, kind in plan.sites] or [(p, "logits output") for p in plan.points]
-    if not masks:
-        for site, kind in targets:
-            failures.append(
-                f"sampling site {site.name} ({kind}) in {module_path(site) or '<root>'} is not masked: "
-                f"the program has no {MASK_INPUT!r} input; rewrite it with `neuron-constrain rewrite`"
-            )
-        return failures
-
-    mask = masks[0]
-    for site, kind in targets:
-        value = site.args[0] if plan.sites else site
-        if not _depends_on(value, mask):
-            failures.append(
-                f"sampling site {site.name} ({kind}) in {module_path(site) or '<root>'} reads {value.name}, "
-                f"which does not depend on {MASK_INPUT}: an unconstrained token can be sampled there; "
-                "rewrite the original program again"
-            )
-
-    val = mask.meta.get("val")
-    width = plan.width
-    if not isinstance(val, torch.Tensor) or val.dim() < 1:
-        failures.append(f"{MASK_INPUT} carries no tensor metadata (meta['val']); re-export and rewrite the program")
-    else:
-        columns = val.shape[-1]
-        if val.dtype == torch.int32:
-            vocab = vocab_size if vocab_size is not None else width
-            want = math.ceil(vocab / 32)
-            ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= want)
-            if not ok:
-                failures.append(
-                    f"{MASK_INPUT} is packed int32 with {columns} columns but the logits are {width} wide"
-                    + (f" and vocab_size is {vocab_size}" if vocab_size is not None else "")
-                    + f": a packed mask needs ceil(V/32) = {want} columns"
-                )
-        elif val.dtype == torch.bool:
-            want = vocab_size if vocab_size is not None else width
-            ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= width)
-            if not ok:
-                failures.append(
-                    f"{MASK_INPUT} is bool with {columns} columns but needs {want} (one per token"
-                    + ("" if vocab_size is not None else f", at most the logits' width {width}") + ")"
-                )
-        else:
-            failures.append(f"{MASK_INPUT} has dtype {val.dtype}; the pass makes int32 (packed) or bool masks")
-    if MASK_INPUT not in _keyword_inputs(program):
-        failures.append(f"{MASK_INPUT} is not a keyword input of the program; callers pass it as {MASK_INPUT}=")
-    return failures
-
-
-def check_taps(program) -> list[str]:
-    """Every tap input pair feeds a ``where(enabled, replacement, computed)`` that all
-    readers of the computed value go through (capture outputs excepted)."""
-    import torch
-    from torch.export.graph_signature import InputKind
-
-    from neuron_constrain.passes.replacement_tap_pass import RANK_INPUT
-
-    user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    nodes = {n.name: n for n in program.graph.nodes}
-    failures = []
-    for name in user_inputs:
-        if not name.startswith("tap_") or name.endswith("_enabled") or name == RANK_INPUT:
-            continue
-        enabled = nodes.get(name + "_enabled")
-        if enabled is None:
-            failures.append(f"tap input {name} has no {name}_enabled flag: rows cannot be switched; rewrite again")
-            continue
-        val = enabled.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
-            failures.append(f"{name}_enabled must be a bool tensor over the tapped value's rows")
-        wheres = [
-            n for n in _wheres_fed_by(enabled)
-            if _depends_on(n.args[0], enabled) and _depends_on(n.args[1], nodes[name])
-        ]
-        if not wheres:
-            failures.append(f"tap {name}: no where({name}_enabled, {name}, computed) node; the replacement is never used")
-            continue
-        computed = wheres[0].args[2]
-        bypass = [u.name for u in computed.users if u is not wheres[0] and u.op != "output"]
-        if bypass:
-            failures.append(
-                f"tap {name}: {', '.join(bypass)} read{'s' if len(bypass) == 1 else ''} {computed.name} directly, "
-                "bypassing the tap: a replacement would not reach them; rewrite the original program again"
-            )
-    return failures
-
-
-def _wheres_fed_by(source) -> list:
-    """The ``where`` nodes ``source`` reaches through non-``where`` nodes: a tap's own
-    select, found without walking the whole graph once per tap."""
-    import torch
-
-    found, seen, stack = [], set(), [source]
-    while stack:
-        for user in stack.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            (found if user.target is torch.ops.aten.where.self else stack).append(user)
-    return found
-
-
-def _depends_on(node, source) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is source:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -385,12 +212,18 @@ def _check(args: argparse.Namespace) -> int:
         raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary size must be positive")
     if args.expect and not args.update:
         _check_readable(args.expect)
-    from neuron_constrain.canonical import canonical_text, diff_graphs, parse_canonical
+    from neuron_constrain.canonical import canonical_text, parse_canonical
+    from neuron_constrain.graph_diff import diff_graphs
 
     progress = _Progress()
-    program = load_program(args.input, progress, args.debug)
+    program = load_program(args.input, progress, args.debug, args.allow_pickle)
+    from neuron_constrain.checks import CheckError, check_program
+
     with progress.step("checking"):
-        failures = check_program(program, args.vocab_size)
+        try:
+            failures = check_program(program, args.vocab_size)
+        except CheckError as e:
+            raise UsageError(str(e)) from e
         text = canonical_text(program)
     if args.expect:
         if args.update:
@@ -421,14 +254,14 @@ def _check(args: argparse.Namespace) -> int:
 def _hlo(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from neuron_constrain.xla import _INSTALL
+    from neuron_constrain.xla import INSTALL_HINTS
 
-    if importlib.util.find_spec("torch_xla") is None:
-        raise UsageError(_INSTALL["torch_xla"])
     if args.output is not None:
         _check_output_dir(args.output)
     progress = _Progress()
-    program = load_program(args.input, progress, args.debug)
+    program = load_program(args.input, progress, args.debug, args.allow_pickle)  # an unsafe file is refused first
+    if importlib.util.find_spec("torch_xla") is None:
+        raise UsageError(INSTALL_HINTS["torch_xla"])
     from neuron_constrain.xla import lower
 
     with progress.step("lowering to HLO"):
@@ -453,10 +286,49 @@ def _hlo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _localize(args: argparse.Namespace) -> int:
+    for path in (args.json, args.plot):
+        if path is not None:
+            _check_output_dir(path)
+    from neuron_constrain.errors import InputError, TransformError
+    from neuron_constrain.loading import LoadError
+    from neuron_constrain.replacement.files import load_captures
+    from neuron_constrain.replacement.localize import LOGITS, load_tapped, localize
+
+    progress = _Progress()
+    try:
+        captures, prompts = load_captures(args.captures)
+    except LoadError as e:
+        raise UsageError(str(e)) from e
+    program = load_program(args.input, progress, args.debug, args.allow_pickle)
+    with progress.step("localizing"):
+        try:
+            names = sorted({name for c in captures for name in c} - {LOGITS})
+            report = localize(load_tapped(program, names), captures, prompts, atol=args.atol)
+        except (InputError, TransformError) as e:
+            if args.debug:
+                raise
+            raise UsageError(f"{args.input}: {e}") from e
+    print(report.summary())
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(report.to_json())
+        print(f"wrote {args.json}")
+    if args.plot is not None and report.plot(args.plot) is not None:
+        print(f"wrote {args.plot}")
+    return EXIT_OK if report.culprit is None else EXIT_FAILED
+
+
 def _demo(args: argparse.Namespace) -> int:
     from neuron_constrain.demo import run_demo
 
     return run_demo(seed=args.seed)
+
+
+def _add_allow_pickle(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--allow-pickle", action="store_true",
+                         help="the .pt2 is trusted: load it with torch.export.load, which unpickles payloads "
+                              "and can run code (default: refuse anything that could)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -485,15 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
                               "'...router:1' for output 1) so reference tensors can replace them at run time")
     rewrite.add_argument("--passes", action="append", metavar="NAME[,NAME]",
                          help=f"passes to run (default: all); available: {', '.join(PASSES)}")
+    _add_allow_pickle(rewrite)
     rewrite.set_defaults(func=_rewrite)
 
     show = sub.add_parser("show", help="print the canonical text of a saved program")
     show.add_argument("input", metavar="IN.pt2")
+    _add_allow_pickle(show)
     show.set_defaults(func=_show)
 
     diff = sub.add_parser("diff", help="structural diff of two programs (.pt2 or canonical text)")
     diff.add_argument("a", metavar="A")
     diff.add_argument("b", metavar="B")
+    _add_allow_pickle(diff)
     diff.set_defaults(func=_diff)
 
     check = sub.add_parser("check", help="verify a rewritten program's invariants (and its golden text)")
@@ -502,12 +377,25 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--update", action="store_true", help="write the canonical text to --expect instead")
     check.add_argument("--vocab-size", type=int, default=None,
                        help="the tokenizer's vocabulary: check the mask width exactly against it")
+    _add_allow_pickle(check)
     check.set_defaults(func=_check)
 
     hlo = sub.add_parser("hlo", help="lower a saved program to HLO text with torch-xla (on its example inputs)")
     hlo.add_argument("input", metavar="IN.pt2")
     hlo.add_argument("-o", "--output", metavar="OUT.hlo.txt", help="write the HLO here (default: stdout)")
+    _add_allow_pickle(hlo)
     hlo.set_defaults(func=_hlo)
+
+    localize = sub.add_parser("localize", help="find the first module that diverges from reference captures")
+    localize.add_argument("input", metavar="IN.pt2", help="the device step (input_ids -> logits [B, S, V]), "
+                          "tapped with capture=True or untapped")
+    localize.add_argument("--captures", required=True, metavar="CAPTURES",
+                          help="reference captures with their logits (save_captures of reference_captures(...))")
+    localize.add_argument("--atol", type=float, default=1e-5, help="the largest local / logit error that agrees")
+    localize.add_argument("--json", metavar="OUT.json", help="write the report as JSON")
+    localize.add_argument("--plot", metavar="OUT.png", help="write a PNG of the errors by module (needs matplotlib)")
+    _add_allow_pickle(localize)
+    localize.set_defaults(func=_localize)
 
     demo = sub.add_parser("demo", help="constrained decoding on a tiny random-weight decoder")
     demo.add_argument("--seed", type=int, default=0)

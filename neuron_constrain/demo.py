@@ -1,7 +1,8 @@
 """``neuron-constrain demo``: the logit-mask pass end to end on a tiny random-weight Llama,
 then structured outputs (JSON schema, regex, choice, a required tool call) generated
 through it by :mod:`neuron_constrain.structured`, then replacement taps feeding a
-tiny GPT-OSS the router logits of a reference model."""
+tiny GPT-OSS the router logits of a reference model, then ``localize`` naming the one
+perturbed layer of a tiny GPT-OSS."""
 from __future__ import annotations
 
 import time
@@ -10,7 +11,7 @@ import torch
 
 from neuron_constrain import transform
 from neuron_constrain.kernels import pack_bool_mask
-from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
+from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder, weather_tool
 
 
 def _best_of(fn, repeats: int = 5) -> float:
@@ -52,7 +53,8 @@ def run_demo(seed: int = 0) -> int:
           f"{constrained_s / unconstrained_s:.3f}")
     structured_ok = run_structured_demo(seed)
     taps_ok = run_taps_demo(seed)
-    return 0 if ok and torch.equal(plain, unconstrained) and structured_ok and taps_ok else 1
+    localize_ok = run_localize_demo(seed)
+    return 0 if ok and torch.equal(plain, unconstrained) and structured_ok and taps_ok and localize_ok else 1
 
 
 def run_taps_demo(seed: int = 0) -> bool:
@@ -81,6 +83,46 @@ def run_taps_demo(seed: int = 0) -> bool:
     return with_taps.passed and not without.passed
 
 
+
+def run_localize_demo(seed: int = 0, plot_path: str | None = None) -> bool:
+    """``localize`` on a tiny GPT-OSS whose layer 2 has its expert weights scaled by 1.01:
+    the table, the plot, and the forward passes per number of tapped modules. True when
+    it names exactly that layer and the cost is 2n + 1 passes."""
+    import copy
+    import os
+    import tempfile
+
+    from neuron_constrain import Tap
+    from neuron_constrain.replacement import localize, reference_captures
+    from neuron_constrain.replacement.localize import default_taps
+    from neuron_constrain.testing import LogitsStep
+
+    print("\n== localize: the first diverging module of a GPT-OSS with one perturbed layer")
+    start = time.perf_counter()
+    reference = LogitsStep(tiny_decoder("gpt_oss", vocab_size=256, layers=4, seed=seed))
+    device = copy.deepcopy(reference)
+    with torch.no_grad():
+        device.model.model.layers[2].mlp.experts.down_proj.mul_(1.01)  # the "device" numerics
+    taps = default_taps(device)  # every layer's output and every router
+    dims = ({0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1, max=64)},)
+    tapped = transform(device, (random_ids(2, 4, 256),), dynamic_shapes=dims, logit_mask=None,
+                       taps=[Tap(t, capture=True) for t in taps])
+    prompts = [[3, 14, 15, 92, 65], [27, 18, 28], [100, 101, 102, 103]]
+    captures = reference_captures(reference, prompts, taps, max_new_tokens=4)
+    report = localize(tapped, captures, prompts)
+    print(report.summary())
+    plot_path = plot_path or os.path.join(tempfile.gettempdir(), "neuron_constrain_localize.png")
+    if report.plot(plot_path) is not None:
+        print(f"plot: {plot_path}")
+    order = [r.module for r in report.rows]
+    cost = {len(order): report.forward_passes}
+    for n in (1, 2):  # the same program, fewer taps: no export, no recompile
+        cost[n] = localize(tapped, captures, prompts, taps=order[:n]).forward_passes
+    print("forward passes by tapped modules (one export for all): "
+          + ", ".join(f"{n} -> {cost[n]}" for n in sorted(cost)) + f"; {time.perf_counter() - start:.1f}s in all")
+    return report.culprit == "model.model.layers.2" and all(p == 2 * n + 1 for n, p in cost.items())
+
+
 DEMO_SCHEMA = {
     "type": "object",
     "properties": {
@@ -90,19 +132,7 @@ DEMO_SCHEMA = {
     },
     "required": ["name", "age", "tags"],
 }
-DEMO_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"location": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-                "required": ["location", "unit"],
-            },
-        },
-    }
-]
+DEMO_TOOLS = [weather_tool(12, strict=False)]
 
 
 def run_structured_demo(seed: int = 0, max_new_tokens: int = 160) -> bool:

@@ -12,10 +12,11 @@ class InputError(ValueError):
 class EmptyMaskRowError(RuntimeError):
     """A logit mask row allows no token, so no token can be chosen for it."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, mask: str = "logit_mask"):
         self.rows = rows
+        self.mask = mask
         super().__init__(
-            f"logit_mask allows no token in row(s) {rows}: the sampled token there would be meaningless. "
+            f"{mask} allows no token in row(s) {rows}: the sampled token there would be meaningless. "
             "Check the grammar state of those requests (a finished grammar, or min_tokens masking the only "
             "allowed stop token), or transform with empty_row=<eos id> to emit that token instead"
         )

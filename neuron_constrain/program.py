@@ -5,11 +5,15 @@ torch has no public helper for adding a user input (``_transform_do_not_use``
 refuses changed inputs and ``_update`` leaves ``module_call_graph`` stale), so every
 pass goes through :class:`ProgramEditor`::
 
-    editor = ProgramEditor(program)              # deep copy; the original is untouched
-    mask = editor.add_input("logit_mask", fake)  # placeholder after the last one, meta["val"] set
-    out = editor.splice(fn, [logits, mask], near=site)   # fn traced to aten, copied in
-    editor.add_output("logit_mask_empty", flag)
+    editor = ProgramEditor(program)              # a copy of the graph; the original is untouched
+    mask = editor.add_tensor_input("logit_mask", (batch, 32), torch.int32, fill=-1)
+    masked = editor.splice(fn, [logits, mask], near=site, prefix="logit_mask")  # fn traced to aten
+    editor.replace_uses(logits, masked, keep_output=True)   # every reader but the output and fn itself
+    flag = editor.splice(empty_fn, [mask], near=site, prefix="logit_mask_empty")
+    editor.add_output(flag, "logit_mask_empty")  # a later pass finds it: editor.find_output(name)
     new_program = editor.build()                 # new signature, call specs, verifier run
+
+A pass that must run once checks ``refuse_if_present(program, names, ...)`` first.
 
 ``splice`` traces a plain torch function with ``make_fx`` on the program's own fake
 tensors, so the inserted nodes are plain aten ops (a saved ``.pt2`` loads without
@@ -36,19 +40,25 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["ProgramEditor", "user_input_names", "user_output_names"]
+__all__ = ["ProgramEditor", "refuse_if_present", "user_input_names"]
+
+OUTPUT_TAG = "neuron_constrain_output"  # node.meta["custom"][OUTPUT_TAG]: the added output's name (saved in .pt2)
 
 
 def user_input_names(program: ExportedProgram) -> list[str]:
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
-def user_output_names(program: ExportedProgram) -> list[str]:
-    return [
-        getattr(s.arg, "name", None)
-        for s in program.graph_signature.output_specs
-        if s.kind == OutputKind.USER_OUTPUT
-    ]
+def refuse_if_present(program: ExportedProgram, names, *, pass_name: str) -> None:
+    """Raise when ``program`` already has one of the user inputs ``names`` (the pass ran already)."""
+    from neuron_constrain.errors import TransformError
+
+    present = sorted(set(names) & set(user_input_names(program)))
+    if present:
+        raise TransformError(
+            f"the program already has the input(s) {present}: the {pass_name} pass was applied already; "
+            "transform the original model or program, not its rewrite"
+        )
 
 
 class ProgramEditor:
@@ -108,9 +118,67 @@ class ProgramEditor:
         hints = tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in shape)
         return self.add_input(name, val, torch.full(hints, fill, dtype=dtype))
 
-    def add_output(self, node: torch.fx.Node) -> None:
-        """Append ``node`` as a new user output (returned after the original outputs)."""
+    def find_input(self, name: str) -> torch.fx.Node | None:
+        """The user input placeholder called ``name`` (None if the program has none)."""
+        if name not in user_input_names(self.program):
+            return None
+        return next(n for n in self.graph.nodes if n.op == "placeholder" and n.name == name)
+
+    def find_output(self, name: str) -> torch.fx.Node | None:
+        """The output a pass added as ``name`` (this editor's, or an earlier pass's), or None."""
+        for node in [*self.user_output_nodes(), *self._new_outputs]:
+            if isinstance(node, torch.fx.Node) and node.meta.get("custom", {}).get(OUTPUT_TAG) == name:
+                return node
+        return None
+
+    def add_output(self, node: torch.fx.Node, name: str) -> None:
+        """Append ``node`` as a new user output (after the original outputs), tagged ``name``."""
+        self._tag(node, name)
         self._new_outputs.append(node)
+
+    def replace_output(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
+        """Return ``new`` where the program returned ``old`` (an added output keeps its tag)."""
+        name = old.meta.get("custom", {}).get(OUTPUT_TAG)
+        if name is not None:
+            self._tag(new, name)
+        if old in self._new_outputs:
+            self._new_outputs[self._new_outputs.index(old)] = new
+            return
+        output = self.output_node
+        if old not in output.args[0]:
+            raise ValueError(f"{old.name} is not an output of the program")
+        output.args = (tuple(new if o is old else o for o in output.args[0]),)
+
+    def replace_uses(
+        self,
+        value: torch.fx.Node,
+        new: torch.fx.Node,
+        *,
+        users: Sequence[torch.fx.Node] | None = None,
+        keep_output: bool = False,
+    ) -> None:
+        """Make readers of ``value`` read ``new``.
+
+        ``users``: exactly these readers; default every reader except the code this
+        editor inserted (which includes ``new``'s own computation). ``keep_output``:
+        the graph's output keeps returning ``value`` (e.g. raw logits for logprobs).
+        """
+        if new is value:
+            return
+        inserted = set(self.inserted)
+        chosen = set(users) if users is not None else None
+        output = self.output_node
+
+        def rewire(user: torch.fx.Node) -> bool:
+            if chosen is not None:
+                return user in chosen
+            return user not in inserted and not (keep_output and user is output)
+
+        value.replace_all_uses_with(new, delete_user_cb=rewire, propagate_meta=False)
+
+    @staticmethod
+    def _tag(node: torch.fx.Node, name: str) -> None:
+        node.meta["custom"] = {**node.meta.get("custom", {}), OUTPUT_TAG: name}
 
     def fake(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run ``fn`` inside the program's fake mode (to build a new input's ``val``)."""

@@ -7,7 +7,7 @@ from typing import Any
 import sympy
 import torch
 
-__all__ = ["AddedInput", "PassReport", "TransformReport", "evaluate_dim", "symbolic_shape"]
+__all__ = ["AddedInput", "PassReport", "TransformReport", "evaluate_dim", "symbolic_shape", "unsizable"]
 
 
 def symbolic_shape(shape) -> tuple:
@@ -15,10 +15,39 @@ def symbolic_shape(shape) -> tuple:
     return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in shape)
 
 
+def _ops():
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+    return {
+        sympy.Add: lambda parts: sum(parts[1:], parts[0]),
+        sympy.Mul: lambda parts: _product(parts),
+        FloorDiv: lambda parts: parts[0] // parts[1],
+        Mod: lambda parts: parts[0] % parts[1],
+        PythonMod: lambda parts: parts[0] % parts[1],
+        sympy.Min: lambda parts: _fold(torch.sym_min, parts),
+        sympy.Max: lambda parts: _fold(torch.sym_max, parts),
+    }
+
+
+def _product(parts):
+    result = parts[0]
+    for p in parts[1:]:
+        result = result * p
+    return result
+
+
+def _fold(fn, parts):
+    result = parts[0]
+    for p in parts[1:]:
+        result = fn(result, p)
+    return result
+
+
 def evaluate_dim(dim: int | sympy.Expr, bindings: dict) -> Any:
     """A program dimension (int or sympy expression over input sizes) for concrete inputs.
 
     ``bindings`` maps symbols to ints (or to SymInts while being traced again).
+    Sums, products, floor division, modulo, min and max are understood.
     """
     if isinstance(dim, int):
         return dim
@@ -28,15 +57,25 @@ def evaluate_dim(dim: int | sympy.Expr, bindings: dict) -> Any:
         if dim not in bindings:
             raise ValueError(f"cannot size a new input: dimension {dim} is not the size of any input")
         return bindings[dim]
-    parts = [evaluate_dim(a, bindings) for a in dim.args]
-    if isinstance(dim, sympy.Add):
-        return sum(parts[1:], parts[0])
-    if isinstance(dim, sympy.Mul):
-        result = parts[0]
-        for p in parts[1:]:
-            result = result * p
-        return result
-    raise ValueError(f"cannot size a new input from the expression {dim}")
+    op = _ops().get(type(dim))
+    if op is None:
+        raise ValueError(f"cannot size a new input from the expression {dim}")
+    return op([evaluate_dim(a, bindings) for a in dim.args])
+
+
+def unsizable(shape, symbols: set) -> str | None:
+    """Why :func:`evaluate_dim` could not size ``shape`` from ``symbols``, or None."""
+    for dim in shape:
+        if isinstance(dim, int) or isinstance(dim, sympy.Integer):
+            continue
+        free = getattr(dim, "free_symbols", set())
+        if free - symbols:
+            return f"its size {dim} involves {sorted(map(str, free - symbols))}, which no input of the call has"
+        try:
+            evaluate_dim(dim, {symbol: 7 for symbol in free})
+        except ValueError:
+            return f"its size {dim} is an expression the runtime cannot evaluate"
+    return None
 
 
 @dataclasses.dataclass
@@ -58,6 +97,7 @@ class AddedInput:
     doc: str = ""
     bounds: tuple[int, int] | None = None
     tap: tuple[str, str] | None = None  # (tap name, "values" | "enabled"): fed from the replacement context
+    vocab_size: int | None = None  # a logit mask's vocabulary (for messages about its width and format)
 
     def shape_for(self, bindings: dict) -> tuple:
         return tuple(evaluate_dim(d, bindings) for d in self.shape)

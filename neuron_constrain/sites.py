@@ -5,6 +5,11 @@ Definitions, on an aten graph:
 * **logits root** — the vocabulary projection: the last matmul-like node whose
   output is wider than its input (``out_features > in_features``, as every lm_head
   is) and, when ``vocab_size`` is known, at least that wide.
+* **head** — a projection wider than its input whose logit space feeds a sampling
+  site, with those sites. The main head is the first in graph order (at least
+  ``vocab_size`` wide); the others (Medusa / MTP / EAGLE draft heads) are numbered
+  1, 2, ... in graph order. Without any sampler the one head is the logits root. Each head gets its own mask (``logit_mask``, ``logit_mask_1``, ...):
+  a draft head predicts another position, so its grammar row is another row.
 * **logit space** — the root and every node reached from it through ops that keep
   the vocab axis last and are not sampling ops (views, slices, casts, temperature
   division, soft-capping, bias adds ...).
@@ -27,9 +32,13 @@ import re
 import torch
 import torch.fx
 
+from neuron_constrain.errors import TransformError
+from neuron_constrain.report import symbolic_shape
+
 aten = torch.ops.aten
 
-__all__ = ["MaskPlan", "find_logits_root", "plan_mask_points", "normalize_module_path", "module_path"]
+__all__ = ["MaskPlan", "find_logits_root", "projections", "plan_heads", "plan_mask_points", "plan_logits",
+           "normalize_module_path", "module_path"]
 
 MATMUL_OPS = {
     aten.linear.default,
@@ -93,18 +102,24 @@ def sampling_kind(node: torch.fx.Node, width: int) -> str | None:
     return SAMPLING_OPS[node.target] if _dim_argument(node) in (-1, rank - 1) else None
 
 
-def find_logits_root(graph: torch.fx.Graph, vocab_size: int | None = None) -> torch.fx.Node | None:
-    root = None
+def projections(graph: torch.fx.Graph, min_width: int | None = None) -> list[torch.fx.Node]:
+    """Matmul-like nodes whose output is wider than their input (and >= ``min_width``), graph order."""
+    found = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in MATMUL_OPS:
             continue
         out_w, in_w = _width(node), _width(node.args[0] if node.target != aten.addmm.default else node.args[1])
         if out_w is None or in_w is None or out_w <= in_w:
             continue
-        if vocab_size is not None and out_w < vocab_size:
+        if min_width is not None and out_w < min_width:
             continue
-        root = node
-    return root
+        found.append(node)
+    return found
+
+
+def find_logits_root(graph: torch.fx.Graph, vocab_size: int | None = None) -> torch.fx.Node | None:
+    found = projections(graph, vocab_size)
+    return found[-1] if found else None
 
 
 @dataclasses.dataclass
@@ -133,11 +148,8 @@ def _logit_space(root: torch.fx.Node, width: int) -> list[torch.fx.Node]:
     return [n for n in root.graph.nodes if n in seen]
 
 
-def plan_mask_points(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None) -> MaskPlan | None:
-    """Find the logits and where to mask them; ``None`` if the graph has no logits."""
-    root = find_logits_root(graph, vocab_size)
-    if root is None:
-        return None
+def _plan_root(root: torch.fx.Node, outputs: list) -> MaskPlan | None:
+    """The sites of ``root`` and where to mask them; ``None`` if its logits reach no site or output."""
     width = _width(root)
     space = _logit_space(root, width)
     members = set(space)
@@ -168,53 +180,108 @@ def plan_mask_points(graph: torch.fx.Graph, outputs: list, vocab_size: int | Non
     return MaskPlan(root, width, [point], sites)
 
 
-def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size: int | None, *, what: str, shards: int = 1):
-    """:func:`plan_mask_points` for a pass that needs one set of per-row inputs.
+def plan_heads(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None) -> list[MaskPlan]:
+    """Every head, the main one first (see the module docstring).
 
-    Returns ``(plan, vocab)``: ``vocab`` is the full vocabulary (``vocab_size``, or
-    the logits' width times ``shards``). With ``shards > 1`` the logits are one
-    rank's vocab shard. Raises ``TransformError`` naming the problem and the fix:
-    no logits, a vocabulary that does not fit them, or logits of several row shapes.
-    ``what`` says what the inputs are for ("one logit_mask").
+    Heads are the projections whose logits are sampled; the main head is the first of
+    them in graph order that is at least ``vocab_size`` wide (the model's lm_head runs
+    before any draft head reads its hidden state), the others follow in graph order.
+    With no sampler anywhere, the one head is the last projection (``vocab_size``
+    wide or more) and its logits outputs are what gets masked.
     """
-    from neuron_constrain.errors import TransformError
-    from neuron_constrain.report import symbolic_shape
+    sampled = [plan for root in projections(graph) if (plan := _plan_root(root, [])) is not None and plan.sites]
+    if not sampled:
+        root = find_logits_root(graph, vocab_size)
+        plan = None if root is None else _plan_root(root, outputs)
+        return [] if plan is None else [plan]
+    wide = [p for p in sampled if vocab_size is None or p.width >= vocab_size]
+    if not wide:
+        return []
+    main = wide[0]
+    return [main] + [p for p in sampled if p is not main]
 
+
+def plan_mask_points(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None) -> MaskPlan | None:
+    """The main head's plan (``None`` if the graph has no logits)."""
+    heads = plan_heads(graph, outputs, vocab_size)
+    return heads[0] if heads else None
+
+
+def describe_head(index: int, plan: MaskPlan) -> str:
+    return f"head {index} ({plan.root.name} in {module_path(plan.root) or '<root>'}, {plan.width} wide)"
+
+
+def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size, *, what: str, shards: int = 1, several: bool = False):
+    """:func:`plan_heads` for a pass that adds per-row inputs; returns ``[(plan, vocab), ...]``.
+
+    ``vocab`` is each head's full vocabulary: ``vocab_size`` (an int for every head,
+    or one per head, the main head first), or the head's width times ``shards``.
+    With ``shards > 1`` the logits are one rank's vocab shard. ``several``: the pass
+    handles several heads; otherwise a second head raises. Raises ``TransformError``
+    naming the problem and the fix: no logits, a vocabulary that does not fit them,
+    logits of several row shapes. ``what`` says what the inputs are for ("one logit_mask").
+    """
+    per_head = None
+    if vocab_size is not None and not isinstance(vocab_size, int):
+        per_head = [int(v) for v in vocab_size]
+        vocab_size = per_head[0] if per_head else None
     min_width = None if vocab_size is None else -(-vocab_size // shards)
-    plan = plan_mask_points(graph, outputs, min_width)
-    if plan is None and vocab_size is not None:  # logits found, but narrower than vocab_size?
-        plan = plan_mask_points(graph, outputs, None)
-    if plan is None:
+    heads = plan_heads(graph, outputs, min_width)
+    if not heads and vocab_size is not None:  # logits found, but narrower than vocab_size?
+        heads = plan_heads(graph, outputs, None)
+    if not heads:
         raise TransformError(
             f"found no logits for {what}: the graph has no vocabulary projection (a matmul wider than its input"
             + (f" and at least vocab_size={vocab_size} wide" if vocab_size else "")
             + ") that feeds a sampling op or an output; export the model with its lm_head, "
             "or pass the vocab_size that the logits have"
         )
-    width = plan.width  # with shards > 1: this rank's shard
-    vocab = width * shards if vocab_size is None else vocab_size
-    where = f"(node {plan.root.name!r})"
-    if shards > 1 and vocab > width * shards:
+    names = "; ".join(describe_head(i, h) for i, h in enumerate(heads))
+    if len(heads) > 1 and not several:
         raise TransformError(
-            f"vocab_size={vocab} does not fit in tp_degree={shards} shards of {width} columns {where}: "
-            f"{width * shards} columns in all; pass the tp_degree the lm_head was sharded with, "
-            f"or vocab_size<={width * shards}"
+            f"the graph has {len(heads)} logits heads, each sampled ({names}); {what} covers one head: "
+            "export one head per program, or run only the logit-mask pass, which masks every head"
         )
-    if shards > 1 and vocab <= width * (shards - 1):
+    if len(heads) > 1 and shards > 1:
+        raise TransformError(f"tp_degree={shards} with {len(heads)} heads ({names}): vocab-parallel masking takes one head")
+    if per_head is not None and len(per_head) != len(heads):
         raise TransformError(
-            f"vocab_size={vocab} fits in {shards - 1} shards of {width} columns {where}: the last of "
-            f"tp_degree={shards} ranks would hold no token; export the rank's sharded lm_head (not the full one), "
-            "or pass the tp_degree it was sharded with"
+            f"vocab_size gives {len(per_head)} sizes but the graph has {len(heads)} head(s) ({names}); "
+            "pass one vocab_size per head, the main head first"
         )
-    if shards == 1 and vocab > width:
-        raise TransformError(f"vocab_size={vocab} is larger than the logits' width {width} {where}; pass vocab_size<={width}")
-    leading = {symbolic_shape(p.meta["val"].shape[:-1]) for p in plan.points}
-    if len(leading) != 1:
-        raise TransformError(
-            f"the logits at {[p.name for p in plan.points]} have different leading shapes {sorted(map(str, leading))}; "
-            f"{what} cannot cover them: export one logits output per program"
-        )
-    return plan, vocab
+    planned = []
+    for index, plan in enumerate(heads):
+        width = plan.width  # with shards > 1: this rank's shard
+        vocab = per_head[index] if per_head else vocab_size
+        vocab = width * shards if vocab is None else vocab
+        where = f"(node {plan.root.name!r})"
+        if shards > 1 and vocab > width * shards:
+            raise TransformError(
+                f"vocab_size={vocab} does not fit in tp_degree={shards} shards of {width} columns {where}: "
+                f"{width * shards} columns in all; pass the tp_degree the lm_head was sharded with, "
+                f"or vocab_size<={width * shards}"
+            )
+        if shards > 1 and vocab <= width * (shards - 1):
+            raise TransformError(
+                f"vocab_size={vocab} fits in {shards - 1} shards of {width} columns {where}: the last of "
+                f"tp_degree={shards} ranks would hold no token; export the rank's sharded lm_head (not the full one), "
+                "or pass the tp_degree it was sharded with"
+            )
+        if shards == 1 and vocab > width:
+            if index > 0 and per_head is None:
+                raise TransformError(
+                    f"{describe_head(index, plan)} is narrower than vocab_size={vocab}: pass one vocab_size per "
+                    f"head, e.g. vocab_size=[{vocab}, {width}] (the main head first)"
+                )
+            raise TransformError(f"vocab_size={vocab} is larger than the logits' width {width} {where}; pass vocab_size<={width}")
+        leading = {symbolic_shape(p.meta["val"].shape[:-1]) for p in plan.points}
+        if len(leading) != 1:
+            raise TransformError(
+                f"the logits at {[p.name for p in plan.points]} have different leading shapes {sorted(map(str, leading))}; "
+                f"{what} cannot cover them: export one logits output per program"
+            )
+        planned.append((plan, vocab))
+    return planned
 
 
 # ----------------------------------------------------------------------------- module paths

@@ -6,12 +6,16 @@ decode-step wrappers an on-device sampler would compile.
     step = GreedyStep(model)                 # input_ids -> argmax of last logits
     step = SamplingStep(model, top_k=20)     # input_ids, noise -> token (top-k/top-p race)
     step = VocabShardedGreedyStep(model, rank, world_size)  # one rank's (max, index) of its vocab shard
+    vocab = toy_tokenizer()                  # a byte-level test Vocabulary (xgrammar TokenizerInfo + encode)
 """
 from __future__ import annotations
 
-import torch
+from typing import Sequence
 
-ARCHITECTURES = ("llama", "mixtral", "gpt_oss", "qwen3")
+import torch
+import xgrammar as xgr
+
+ARCHITECTURES = ("llama", "mixtral", "gpt_oss", "qwen3", "qwen2", "mistral")
 
 
 def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, layers: int = 2, **overrides):
@@ -53,6 +57,10 @@ def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, lay
                 **overrides,
             }
         )
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, **overrides})
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**{**common, "head_dim": hidden_size // 4, **overrides})
     else:
         raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
     return cfg
@@ -159,6 +167,49 @@ _WORDS = (
 )
 
 
+class Vocabulary:
+    """A byte-level vocabulary: xgrammar's ``TokenizerInfo`` plus greedy longest-match encoding.
+
+    ``pieces[i]`` is the bytes of token ``i``; the stop token is ``b""`` (xgrammar
+    reads an empty piece as special, so it never matches text). A real tokenizer's
+    ``TokenizerInfo.from_huggingface`` plugs into :class:`StructuredRuntime` the same way.
+    """
+
+    def __init__(self, pieces: Sequence[bytes], *, eos_id: int):
+        self.pieces = [bytes(p) for p in pieces]
+        if not 0 <= eos_id < len(self.pieces):
+            raise ValueError(f"eos_id={eos_id} is not a token of this {len(self.pieces)}-piece vocabulary")
+        self.eos_id = eos_id
+        self.vocab_size = len(self.pieces)
+        self._ids: dict[bytes, int] = {}
+        for i, piece in enumerate(self.pieces):
+            if piece and piece in self._ids:
+                raise ValueError(f"piece {piece!r} appears twice (ids {self._ids[piece]} and {i}); pieces must be unique")
+            if piece:
+                self._ids[piece] = i
+        self._longest = max(len(p) for p in self.pieces)
+        self.info = xgr.TokenizerInfo(
+            self.pieces, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=[eos_id]
+        )
+
+    def encode(self, text: str | bytes) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        ids, at = [], 0
+        while at < len(data):
+            for size in range(min(self._longest, len(data) - at), 0, -1):
+                token = self._ids.get(data[at:at + size])
+                if token is not None:
+                    ids.append(token)
+                    at += size
+                    break
+            else:
+                raise ValueError(f"byte {data[at]:#x} at offset {at} has no token; a byte vocabulary needs all 256 single bytes")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self.pieces[i] for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+
+
 def toy_tokenizer(size: int | None = None):
     """A byte-level vocabulary written here, no download: all 256 single bytes, common
     JSON pieces (``{"``, ``":``, ``",``, ``true``, ...), two-digit numbers, words with
@@ -166,10 +217,8 @@ def toy_tokenizer(size: int | None = None):
 
     ``size``: pad to exactly this many tokens with unique 4-letter filler words (stand-ins
     for a large BPE vocabulary, e.g. ``size=128256`` for Llama 3's). Returns a
-    :class:`neuron_constrain.structured.Vocabulary`; its ``eos_id`` is the stop token.
+    :class:`Vocabulary`; its ``eos_id`` is the stop token.
     """
-    from neuron_constrain.structured import Vocabulary
-
     texts = list(_JSON_PIECES) + [f"{n:02d}" for n in range(100)]
     for word in _WORDS:
         texts += [word, " " + word, '"' + word, '"' + word + '"', word.capitalize()]
@@ -266,3 +315,116 @@ def greedy_across_ranks(value: torch.Tensor, index: torch.Tensor, rank: int, sha
     dist.all_gather(values, value, group=group)
     dist.all_gather(tokens, token, group=group)
     return pick_across_ranks(torch.stack(values), torch.stack(tokens))
+
+
+# ----------------------------------------------------------------------------- decode steps over a static KV cache
+
+
+def sample_race(logits: torch.Tensor, noise: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """``SamplingStep``'s sampler on ``logits [B, V]``: temperature, top-k, top-p, exponential race."""
+    scaled = logits / temperature
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs
+    rank = torch.arange(ordered.shape[-1], device=ordered.device)
+    drop = (before > top_p) | (rank >= top_k)
+    kept = ordered.masked_fill(drop, float("-inf")).softmax(-1)
+    choice = (kept / noise.gather(-1, order)).argmax(-1, keepdim=True)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+class CachedGreedyStep(torch.nn.Module):
+    """A 1-token decode step over Hugging Face's static KV cache, as accelerators compile it:
+    ``input_ids [B, 1], cache_position [1] -> token [B]`` (argmax of the logits).
+
+    The cache is HF's ExecuTorch recipe (``TorchExportableModuleWithStaticCache``, or
+    ``...WithHybridCache`` for sliding-window configs such as GPT-OSS): StaticCache
+    tensors registered as buffers and written in place at ``cache_position``. Export
+    it strict (HF's default; non-strict lifts the cache as constants) and run it under
+    ``no_grad``. The batch is fixed at ``batch_size``; feed a prompt one token a step.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, batch_size: int, max_cache_len: int = 64):
+        super().__init__()
+        from transformers.integrations.executorch import (
+            TorchExportableModuleWithHybridCache,
+            TorchExportableModuleWithStaticCache,
+        )
+
+        model.generation_config.cache_implementation = "static"
+        config = model.config
+        hybrid = getattr(config, "layer_types", None) is not None and getattr(config, "sliding_window", None) is not None
+        wrapper = TorchExportableModuleWithHybridCache if hybrid else TorchExportableModuleWithStaticCache
+        self.cached = wrapper(model, batch_size=batch_size, max_cache_len=max_cache_len)
+        self.batch_size, self.max_cache_len = batch_size, max_cache_len
+
+    def logits(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self.cached(input_ids=input_ids, cache_position=cache_position)[:, -1]
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self.logits(input_ids, cache_position).argmax(-1)
+
+    def example_inputs(self, vocab_size: int, *, seed: int = 0) -> tuple:
+        return random_ids(self.batch_size, 1, vocab_size, seed=seed), torch.tensor([0])
+
+
+class CachedSamplingStep(CachedGreedyStep):
+    """:class:`CachedGreedyStep` with ``SamplingStep``'s sampler (:func:`sample_race`):
+    ``input_ids [B, 1], cache_position [1], noise [B, V] -> token [B]``."""
+
+    def __init__(self, model, *, batch_size: int, max_cache_len: int = 64,
+                 temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9):
+        super().__init__(model, batch_size=batch_size, max_cache_len=max_cache_len)
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(input_ids, cache_position)
+        return sample_race(logits, noise, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def example_inputs(self, vocab_size: int, *, seed: int = 0) -> tuple:
+        width = self.cached.model.config.vocab_size
+        return (*super().example_inputs(vocab_size, seed=seed), exponential_noise(self.batch_size, width, seed=seed))
+
+
+def cache_state(program_or_module) -> dict[str, torch.Tensor]:
+    """Copies of the KV-cache tensors (``*keys``/``*values`` buffers) of an exported
+    program or a module, by name: compare two runs' caches after a decode."""
+    if isinstance(program_or_module, torch.export.ExportedProgram):
+        named = {**program_or_module.state_dict, **program_or_module.constants}.items()
+    else:
+        named = program_or_module.named_buffers()
+    return {n: t.detach().clone() for n, t in named if n.rsplit(".", 1)[-1].startswith(("key", "value"))}
+
+
+class DraftHeadStep(torch.nn.Module):
+    """A greedy step with a second, Medusa/MTP-style head: ``input_ids -> (token, draft)``.
+
+    The draft head is its own projection of the last hidden state (``draft_vocab``
+    columns, default the model's vocabulary), followed by its own argmax.
+    """
+
+    def __init__(self, model: torch.nn.Module, draft_vocab: int | None = None, seed: int = 1):
+        super().__init__()
+        self.model = model
+        config = model.config
+        torch.manual_seed(seed)
+        self.draft = torch.nn.Linear(config.hidden_size, draft_vocab or config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor):
+        out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, -1]
+        return out.logits[:, -1].argmax(-1), self.draft(hidden).argmax(-1)
+
+
+def weather_tool(max_location: int = 10, *, strict: bool = True) -> dict:
+    """An OpenAI function tool (``get_weather(location, unit)``) for tests and the demo;
+    ``max_location`` bounds the location string so a random model's answer ends."""
+    parameters = {
+        "type": "object",
+        "properties": {"location": {"type": "string", "maxLength": max_location},
+                       "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["location", "unit"],
+    }
+    if strict:
+        parameters["additionalProperties"] = False
+    return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}

@@ -9,12 +9,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from neuron_constrain import replacement
+from neuron_constrain.replacement.context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import logits_processors_pass, mask_logits_pass, replacement_tap_pass
-from neuron_constrain.passes.mask_logits_pass import EMPTY_OUTPUT
+from neuron_constrain.passes.mask_logits_pass import is_empty_output
 from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
-from neuron_constrain.report import AddedInput, TransformReport
+from neuron_constrain.report import AddedInput, TransformReport, unsizable
 
 __all__ = ["transform", "Transformed"]
 
@@ -56,6 +56,20 @@ class Transformed(torch.nn.Module):
             list(range(program.call_spec.in_spec.num_leaves)), program.call_spec.in_spec
         )
         self._kwarg_order = [k for k in kwargs_index if k not in added]
+        self._num_args = len(args_index)
+        self._known_kwargs = frozenset(self._kwarg_order) | added
+        root = program.module_call_graph[0].signature if program.module_call_graph else None
+        names = list(getattr(root, "forward_arg_names", None) or [])
+        self._arg_names = names[: self._num_args] if len(names) >= self._num_args else [f"arg{i}" for i in range(self._num_args)]
+        bound = {symbol for _, _, symbol in self._symbolic_dims}
+        for info in self._added:
+            problem = unsizable(info.shape, bound)
+            if problem:
+                raise TransformError(
+                    f"{info.name} would have the shape {info.describe()}, but {problem}: the runtime could not "
+                    "size it from the call's inputs. Export that dimension static, or let the logits keep the "
+                    "input's own size (e.g. slice with logits[:, -1] rather than a strided or computed range)"
+                )
         # Unlifting may rewrite placeholder metadata: read the symbolic sizes first.
         self.graph_module = program.module()
 
@@ -74,7 +88,7 @@ class Transformed(torch.nn.Module):
         shape = info.shape_for(bindings)
         if value is None and info.tap is not None:
             tap, role = info.tap
-            fed = replacement.tap_input(tap, shape, info.dtype, device, role)
+            fed = tap_input(tap, shape, info.dtype, device, role)
             if fed is not None:
                 return fed
         if value is None:
@@ -88,14 +102,22 @@ class Transformed(torch.nn.Module):
         if _tracing():
             return value
         if value.dtype != info.dtype:
-            raise InputError(
-                f"{info.name} has dtype {value.dtype} but the graph takes {info.dtype} ({info.doc}); "
-                f"convert it with .to({info.dtype})"
-            )
+            if info.vocab_size is not None and value.dtype == torch.bool:
+                fix = "pack it with neuron_constrain.kernels.pack_bool_mask(mask) (bool [rows, V] -> int32 [rows, ceil(V/32)])"
+            elif info.vocab_size is not None and value.dtype == torch.int32:
+                fix = f"unpack it with neuron_constrain.kernels.unpack_bitmask(mask, {info.vocab_size})"
+            else:
+                fix = f"convert it with .to({info.dtype})"
+            raise InputError(f"{info.name} has dtype {value.dtype} but the graph takes {info.dtype} ({info.doc}); {fix}")
         if tuple(value.shape) != tuple(shape):
+            columns = f"{shape[-1]} columns" if len(shape) > 1 else ""
+            if info.vocab_size is not None and info.dtype == torch.int32:
+                columns = f"ceil({info.vocab_size}/32) = {shape[-1]} int32 words"
+            elif info.vocab_size is not None:
+                columns = f"{info.vocab_size} columns, one per token"
             raise InputError(
                 f"{info.name} has shape {tuple(value.shape)} but these inputs need {tuple(shape)} ({info.doc})"
-                + (f": one row per logits row and {shape[-1]} columns" if len(shape) > 1 else "")
+                + (f": one row per logits row and {columns}" if columns else "")
             )
         if value.device != device:
             raise InputError(f"{info.name} is on {value.device} but the model's inputs are on {device}; move it with .to({str(device)!r})")
@@ -103,7 +125,29 @@ class Transformed(torch.nn.Module):
             low, high = info.bounds
             if bool(((value < low) | (value >= high)).any()):
                 raise InputError(f"{info.name}={value.tolist()} is outside [{low}, {high}) ({info.doc})")
-        return value
+        # the graph was traced on contiguous inputs (its views assume their strides): a
+        # transposed or sliced mask is copied, never a "view size is not compatible" error
+        return value.contiguous()
+
+    def _arrange(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Positional inputs passed by name move to their place; anything else unknown raises."""
+        if len(args) == self._num_args and self._known_kwargs.issuperset(kwargs):
+            return args, kwargs
+        if len(args) < self._num_args:
+            missing = self._arg_names[len(args):]
+            if all(n in kwargs for n in missing):
+                kwargs = dict(kwargs)
+                args = tuple(args) + tuple(kwargs.pop(n) for n in missing)
+        unknown = sorted(set(kwargs) - self._known_kwargs)
+        if len(args) != self._num_args or unknown:
+            takes = ", ".join(self._arg_names) or "nothing"
+            keywords = ", ".join([*self._kwarg_order, *(i.name for i in self._added)])
+            raise InputError(
+                f"this program takes {self._num_args} positional input(s) ({takes}) and the keywords ({keywords}); "
+                f"got {len(args)} positional" + (f" and unknown keyword(s) {unknown}" if unknown else "")
+                + ": call it as it was exported, e.g. t(" + ", ".join(self._arg_names) + ", logit_mask=...)"
+            )
+        return args, kwargs
 
     @torch.compiler.disable
     def _with_added_inputs(self, args: tuple, kwargs: dict) -> dict:
@@ -117,6 +161,8 @@ class Transformed(torch.nn.Module):
         return kwargs
 
     def forward(self, *args, **kwargs):
+        if not _tracing():
+            args, kwargs = self._arrange(args, kwargs)
         kwargs = self._with_added_inputs(args, kwargs)
         return strip_added_outputs(self.graph_module(*args, **kwargs), self.report)
 
@@ -149,17 +195,21 @@ def strip_added_outputs(out, report: TransformReport):
             continue
         out, *added = out
         for name, value in zip(passed.outputs_added, added):
-            if name == EMPTY_OUTPUT:
+            if is_empty_output(name):
+                mask = name[: -len("_empty")]
                 if _tracing():
-                    torch._assert_async(value.any().logical_not(), "logit_mask allows no token in some row")
+                    torch._assert_async(value.any().logical_not(), f"{mask} allows no token in some row")
+                elif value.device.type == "meta":
+                    continue  # shapes only: there is no flag to read
                 elif bool((flag := _on_host(value)).any()):
-                    raise EmptyMaskRowError([tuple(r) if len(r) > 1 else r[0] for r in flag.nonzero().tolist()])
+                    rows = [tuple(r) if len(r) > 1 else r[0] for r in flag.nonzero().tolist()]
+                    raise EmptyMaskRowError(rows, mask)
             elif name.startswith(CAPTURE_PREFIX):
                 captures[name[len(CAPTURE_PREFIX):]] = value
             else:
                 raise TransformError(f"the program returns {name!r}, which no pass of this library adds")
     if captures and not _tracing():
-        replacement.record_captures(captures)
+        record_captures(captures)
     return out
 
 
@@ -200,6 +250,10 @@ def transform(
     per-row widths (stop ids, biased ids, distinct seen tokens);
     ``num_speculative_tokens`` > 0 allows only "min_tokens".
     """
+    for option, value in (("taps", taps), ("processors", processors)):
+        if isinstance(value, str):
+            raise TransformError(f"{option}={value!r} is a string; pass a list: {option}=[{value!r}]")
+    _check_vocab_size(vocab_size)
     taps = as_taps(taps)
     report = TransformReport()
     start = time.perf_counter()
@@ -233,3 +287,15 @@ def transform(
         )
     report.transform_seconds = time.perf_counter() - start
     return Transformed(program, report)
+
+
+def _check_vocab_size(vocab_size) -> None:
+    sizes = [vocab_size] if vocab_size is None or isinstance(vocab_size, (int, float, str)) else list(vocab_size)
+    for size in sizes:
+        if size is None and len(sizes) == 1:
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise TransformError(
+                f"vocab_size={vocab_size!r}: use the tokenizer's vocabulary size, a positive int "
+                "(or one per head, the main head first)"
+            )

@@ -1,13 +1,17 @@
 """XLA lowering of rewritten programs: the path torch-neuronx takes to neuronx-cc.
 
-    xla_step = to_xla(transformed)                 # Transformed (or ExportedProgram) on the XLA device
-    hlo = lower_to_hlo(transformed)                # HLO text of one call on its example inputs
-    hlo_parameters(hlo)                            # [HloParameter(0, "s32", (3, 32)), ...]
-    lowering = lower(transformed)                  # the text plus parameter names (logit_mask, weights)
+    xla_step = to_xla(transformed)                 # a copy on the XLA device: Transformed (or ExportedProgram)
+    lowering = lower(transformed)                  # HLO text of one call on its example inputs + parameter names
+    hlo_parameters(lowering.text)                  # [HloParameter(0, "s32", (3, 32)), ...]
     neff = to_neff(transformed)                    # torch_neuronx.trace, where torch-neuronx is installed
 
 How it works: exported graphs bake ``device='cpu'`` into some ops, so
-``to_xla`` runs ``torch.export.passes.move_to_device_pass``; lowering calls the
+``to_xla`` runs ``torch.export.passes.move_to_device_pass`` — on a copy of the
+program (the pass edits the program it is given, and the caller's must keep
+running on the host), then recompiles every GraphModule in it: the pass rewrites
+node arguments but regenerates no code, and a grad-enabled export of a RoPE
+decoder keeps ``device='cpu'`` in its ``wrap_with_set_grad_enabled`` submodule's
+stale code (``Tensor device mismatch`` on XLA). Lowering calls the moved
 program's module on XLA tensors (lazy: nothing runs) and asks torch-xla for the
 HLO of the outputs. Inputs are copied from the host, so each is device data — an
 HLO *parameter* (the mask included), never a constant folded into the graph: one
@@ -19,6 +23,7 @@ installable here): a missing one raises :class:`MissingDependencyError` naming i
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import re
@@ -36,13 +41,12 @@ __all__ = [
     "example_inputs",
     "hlo_parameters",
     "lower",
-    "lower_to_hlo",
     "to_neff",
     "to_xla",
     "xla_device",
 ]
 
-_INSTALL = {
+INSTALL_HINTS = {
     "torch_xla": "torch-xla is not installed: lowering to HLO needs it (pip install torch-xla==2.9.0 "
                  "next to torch==2.9.0, or neuron-constrain[xla]; the main lane `make test` has it)",
     "torch_neuronx": "torch-neuronx is not installed: tracing to a NEFF needs it and neuronx-cc "
@@ -58,7 +62,7 @@ def _require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise MissingDependencyError(_INSTALL[module]) from e
+        raise MissingDependencyError(INSTALL_HINTS[module]) from e
 
 
 def xla_device() -> torch.device:
@@ -69,12 +73,32 @@ def _program(program_or_transformed) -> ExportedProgram:
     return getattr(program_or_transformed, "program", program_or_transformed)
 
 
-def to_xla(program_or_transformed, device: torch.device | None = None):
-    """The program (or ``Transformed``) with its weights and baked devices on the XLA device."""
-    device = device if device is not None else xla_device()
+def _moved(program: ExportedProgram, device: torch.device | str) -> ExportedProgram:
+    """A copy of ``program`` with its weights, example inputs and baked devices on
+    ``device``, every GraphModule's code regenerated; ``program`` is unchanged.
+
+    The copy shares no graph with ``program``; its host tensors are not copied
+    (the pass replaces them in the copy's own dicts with moved ones).
+    """
     import torch.export.passes  # not imported by `import torch` on 2.9
 
-    program = torch.export.passes.move_to_device_pass(_program(program_or_transformed), device)
+    tensors = [*program.state_dict.values(), *program.constants.values()]
+    if program.example_inputs is not None:
+        tensors += pytree.tree_leaves(program.example_inputs)
+    shared = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    moved = torch.export.passes.move_to_device_pass(copy.deepcopy(program, shared), device)
+    for module in moved.graph_module.modules():  # nested ones too: higher-order ops' submodules
+        if isinstance(module, torch.fx.GraphModule):
+            module.recompile()
+    return moved
+
+
+def to_xla(program_or_transformed, device: torch.device | None = None):
+    """A copy of the program (or ``Transformed``) on the XLA device: weights, example
+    inputs and baked devices moved. The one given keeps running on the host and
+    saves as it was. ``device``: any device, default torch-xla's."""
+    device = device if device is not None else xla_device()
+    program = _moved(_program(program_or_transformed), device)
     if isinstance(program_or_transformed, ExportedProgram):
         return program
     from neuron_constrain.transform import Transformed
@@ -154,7 +178,8 @@ def _to(value, device):
 
 
 def lower(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None) -> HloLowering:
-    """HLO of one call of the program on the XLA device (nothing is compiled or run).
+    """HLO of one call of the program on the XLA device (nothing is compiled or run,
+    and the program given stays on the host: the copy :func:`to_xla` makes is lowered).
 
     ``args``/``kwargs``: host tensors, every user input (the added ones too) —
     default :func:`example_inputs`.
@@ -179,11 +204,6 @@ def lower(program_or_transformed, args: tuple | None = None, kwargs: dict | None
         named.setdefault(xla_id(t), name)
     ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
     return HloLowering(text, hlo_parameters(text, [named.get(i) for i in ids]))
-
-
-def lower_to_hlo(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None) -> str:
-    """The HLO text of one call of the program (see :func:`lower`)."""
-    return lower(program_or_transformed, args, kwargs).text
 
 
 class _Positional(torch.nn.Module):

@@ -70,57 +70,25 @@ import torch
 from torch.export import ExportedProgram
 
 from neuron_constrain.errors import TransformError
-from neuron_constrain.kernels import (
-    allow_token_in_empty_rows,
-    apply_logit_bias,
-    apply_min_p,
-    apply_min_tokens,
-    apply_penalties,
-    apply_temperature,
-    no_token_rows,
-)
-from neuron_constrain.processors import (
+from neuron_constrain.kernels import allow_token_in_empty_rows, no_token_rows
+from neuron_constrain.processors.registry import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
+    DOCS,
+    KERNELS,
+    PASS_NAME,
     ProcessorError,
     builtin_inputs,
     resolve_processors,
 )
-from neuron_constrain.program import ProgramEditor, user_input_names
+from neuron_constrain.program import ProgramEditor, refuse_if_present, user_input_names
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits
 
 from .mask_logits_pass import EMPTY_OUTPUT, check_empty_row
+from .mask_logits_pass import RANK_INPUT as MASK_RANK_INPUT
 
-PASS_NAME = "logits_processors"
 GREEDY_KINDS = ("argmax", "max")
-
-# built-in -> (kernel, its graph inputs in kernel argument order, node name prefix)
-KERNELS = {
-    "min_tokens": (apply_min_tokens, ["min_tokens_remaining", "min_tokens_stop_ids"], "min_tokens"),
-    "logit_bias": (apply_logit_bias, ["logit_bias_ids", "logit_bias_values"], "logit_bias"),
-    "penalties": (
-        apply_penalties,
-        ["penalty_token_ids", "penalty_token_counts", "penalty_repetition", "penalty_frequency", "penalty_presence"],
-        "penalty",
-    ),
-    "temperature": (apply_temperature, ["temperature"], "temperature"),
-    "min_p": (apply_min_p, ["min_p"], "min_p"),
-}
-
-DOCS = {
-    "min_tokens_remaining": "tokens a row must still generate before a stop id may be sampled",
-    "min_tokens_stop_ids": "stop token ids masked while min_tokens_remaining > 0, -1 padded",
-    "logit_bias_ids": "token ids to bias, -1 padded",
-    "logit_bias_values": "bias added to each logit_bias_ids token",
-    "penalty_token_ids": "distinct tokens of the prompt and output so far, -1 padded",
-    "penalty_token_counts": "times each penalty_token_ids token was generated (0: prompt only)",
-    "penalty_repetition": "repetition penalty (> 0; 1 = off)",
-    "penalty_frequency": "frequency penalty (0 = off)",
-    "penalty_presence": "presence penalty (0 = off)",
-    "temperature": "per-row temperature before min_p (> 0; 1 = off)",
-    "min_p": "min_p threshold in [0, 1] (0 = off)",
-}
 
 
 def _own_scaling(stops: set, node: torch.fx.Node, width: int) -> list[torch.fx.Node]:
@@ -157,13 +125,8 @@ def logits_processors_pass(
         raise TransformError(str(exc)) from exc
     if not procs:
         raise TransformError("processors=[] inserts nothing; name at least one, or pass processors=None to skip the pass")
-    existing = set(user_input_names(program))
-    if existing & set(BUILTIN_INPUTS):
-        raise TransformError(
-            f"the program already has processor inputs {sorted(existing & set(BUILTIN_INPUTS))}: the logits-processors "
-            "pass was applied already; transform the original model or program, not its rewrite"
-        )
-    if "tp_rank" in existing:
+    refuse_if_present(program, BUILTIN_INPUTS, pass_name="logits-processors")
+    if MASK_RANK_INPUT in user_input_names(program):
         raise TransformError(
             "the program's logits are one rank's vocab shard (it has a tp_rank input); the logits-processors pass "
             "needs the full vocabulary: run it on an unsharded step, or transform with tp_degree=1"
@@ -175,10 +138,9 @@ def logits_processors_pass(
     check_empty_row(empty_row)
 
     editor = ProgramEditor(program)
-    plan, vocab = plan_logits(editor.graph, editor.user_output_nodes(), vocab_size, what="one set of processor inputs")
+    ((plan, vocab),) = plan_logits(editor.graph, editor.user_output_nodes(), vocab_size, what="one set of processor inputs")
     width = plan.width
-    if isinstance(empty_row, int) and empty_row >= vocab:
-        raise TransformError(f"empty_row={empty_row} is not a token below vocab_size={vocab}")
+    check_empty_row(empty_row, vocab)
 
     # Decide everything before editing: which paths sample, which scale logits themselves.
     stage_one = [p for p in procs if p in ("min_tokens", "logit_bias", "penalties")]
@@ -238,13 +200,9 @@ def logits_processors_pass(
         return proc if isinstance(proc, str) else proc.name
 
     # Stage one, at each mask point: min_tokens, logit_bias, penalties (+ custom), then the empty-row policy.
-    output = editor.output_node
-    outputs = list(output.args[0])
-    flag_index = next((i for i, o in enumerate(outputs) if getattr(o, "name", "").startswith(EMPTY_OUTPUT)), None)
-    flag = outputs[flag_index] if flag_index is not None else None
+    flag = editor.find_output(EMPTY_OUTPUT)  # the logit-mask pass's, when it ran with empty_row="flag"
     processed: dict[torch.fx.Node, torch.fx.Node] = {}  # mask point -> its value after stage one
     for point in plan.points:
-        users = [u for u in point.users if u is not output] if plan.sites else [output]
         x = point
         for proc in stage_one:
             x = splice(proc, x, point)
@@ -253,19 +211,19 @@ def logits_processors_pass(
         elif stage_one:
             if flag is None:
                 flag = editor.splice(lambda v: no_token_rows(v, vocab), [x], near=point, prefix=EMPTY_OUTPUT)
+                editor.add_output(flag, EMPTY_OUTPUT)
+                report.outputs_added.append(EMPTY_OUTPUT)
             else:
-                flag = editor.splice(
+                extended = editor.splice(
                     lambda f, v: f.logical_or(no_token_rows(v, vocab)), [flag, x], near=point, prefix=EMPTY_OUTPUT
                 )
-        for user in users:
-            user.replace_input_with(point, x)
+                editor.replace_output(flag, extended)
+                flag = extended
+        if plan.sites:
+            editor.replace_uses(point, x, keep_output=True)
+        else:
+            editor.replace_uses(point, x, users=[editor.output_node])
         processed[point] = x
-    if flag is not None and flag_index is None:
-        editor.add_output(flag)
-        report.outputs_added.append(EMPTY_OUTPUT)
-    elif flag is not None:
-        outputs[flag_index] = flag
-        output.args = (tuple(outputs),)
 
     # Stage two, on sampling paths only: temperature (unless the path has its own), min_p (+ custom).
     for node, sites in sampling_inputs.items():
@@ -273,8 +231,7 @@ def logits_processors_pass(
         y = start
         for proc in paths[node]:
             y = splice(proc, y, sites[0])
-        for site in sites:
-            site.replace_input_with(start, y)
+        editor.replace_uses(start, y, users=sites)
 
     done = [name_of(p) for p in stage_one]
     for site, kind in plan.sites:

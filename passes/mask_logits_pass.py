@@ -53,27 +53,38 @@ import torch
 from torch.export import ExportedProgram
 
 from neuron_constrain.errors import TransformError
-from neuron_constrain.kernels import (
-    allowed_columns,
-    allowed_shard_columns,
-    empty_rows,
-    packed_width,
-    shard_columns,
-)
-from neuron_constrain.program import ProgramEditor, user_input_names
+from neuron_constrain.kernels import apply_bitmask, empty_rows, packed_width
+from neuron_constrain.program import ProgramEditor, refuse_if_present
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
-from neuron_constrain.sites import module_path, plan_logits
+from neuron_constrain.sites import describe_head, module_path, plan_logits
 
 MASK_INPUT = "logit_mask"
 RANK_INPUT = "tp_rank"
-EMPTY_OUTPUT = "logit_mask_empty"
+EMPTY_SUFFIX = "_empty"
+EMPTY_OUTPUT = MASK_INPUT + EMPTY_SUFFIX
 MASK_FORMATS = ("packed", "bool")
 
 
-def check_empty_row(empty_row) -> None:
-    """``empty_row`` is "flag" or a token id (shared with the processors pass)."""
+def mask_input_name(head: int) -> str:
+    """The mask input of head ``head``: ``logit_mask`` (the main head), ``logit_mask_1``, ..."""
+    return MASK_INPUT if head == 0 else f"{MASK_INPUT}_{head}"
+
+
+def empty_output_name(mask_name: str) -> str:
+    """The empty-row flag output of the head masked by ``mask_name``."""
+    return mask_name + EMPTY_SUFFIX
+
+
+def is_empty_output(name: str) -> bool:
+    return name.startswith(MASK_INPUT) and name.endswith(EMPTY_SUFFIX)
+
+
+def check_empty_row(empty_row, vocab: int | None = None) -> None:
+    """``empty_row`` is "flag" or a token id below ``vocab`` (shared with the processors pass)."""
     if not (empty_row == "flag" or (isinstance(empty_row, int) and not isinstance(empty_row, bool) and empty_row >= 0)):
         raise TransformError(f"empty_row={empty_row!r}: use 'flag' or a token id >= 0 (e.g. the EOS id)")
+    if vocab is not None and isinstance(empty_row, int) and empty_row >= vocab:
+        raise TransformError(f"empty_row={empty_row} is not a token below vocab_size={vocab}")
 
 
 def mask_logits_pass(
@@ -86,78 +97,87 @@ def mask_logits_pass(
 ) -> tuple[ExportedProgram, PassReport]:
     if mask_format not in MASK_FORMATS:
         raise TransformError(f"logit_mask={mask_format!r} is not a mask format; use one of {MASK_FORMATS} or None")
-    if MASK_INPUT in user_input_names(program):
-        raise TransformError(
-            f"the program already has a {MASK_INPUT!r} input: the logit-mask pass was applied already; "
-            "transform the original model or program, not its rewrite"
-        )
+    refuse_if_present(program, [MASK_INPUT], pass_name="logit-mask")
     check_empty_row(empty_row)
     if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
         raise TransformError(f"tp_degree={tp_degree!r}: use the number of vocab-parallel ranks, an int >= 1")
 
     editor = ProgramEditor(program)
-    plan, vocab = plan_logits(
-        editor.graph, editor.user_output_nodes(), vocab_size, what="one logit_mask", shards=tp_degree
+    heads = plan_logits(
+        editor.graph, editor.user_output_nodes(), vocab_size, what="one logit_mask", shards=tp_degree, several=True
     )
-    width = plan.width  # with tp_degree > 1: this rank's shard
-    if isinstance(empty_row, int) and empty_row >= vocab:
-        raise TransformError(f"empty_row={empty_row} is not a token below vocab_size={vocab}")
-
-    first = plan.points[0].meta["val"]
-    mask_width = packed_width(vocab) if mask_format == "packed" else vocab
+    for _, vocab in heads:
+        check_empty_row(empty_row, vocab)
     mask_dtype = torch.int32 if mask_format == "packed" else torch.bool
     fill = -1 if mask_format == "packed" else True
-    mask = editor.add_tensor_input(MASK_INPUT, (*first.shape[:-1], mask_width), mask_dtype, fill, device=first.device)
-
-    report = PassReport(name="logit_mask")
-    report.inputs_added.append(
-        AddedInput(MASK_INPUT, mask_dtype, (*symbolic_shape(first.shape[:-1]), mask_width), fill,
-                   doc=f"{mask_format} grammar mask over {vocab} tokens")
-    )
     fallback = None if empty_row == "flag" else empty_row
-    mask_args = [mask]
+    report = PassReport(name="logit_mask")
+
+    # Inputs first (so no inserted node takes an input's name), then the code.
+    masks = []
+    for index, (plan, vocab) in enumerate(heads):
+        name = mask_input_name(index)
+        first = plan.points[0].meta["val"]
+        mask_width = packed_width(vocab) if mask_format == "packed" else vocab
+        masks.append(editor.add_tensor_input(name, (*first.shape[:-1], mask_width), mask_dtype, fill, device=first.device))
+        head = "" if len(heads) == 1 else f" for {describe_head(index, plan)}"
+        report.inputs_added.append(
+            AddedInput(name, mask_dtype, (*symbolic_shape(first.shape[:-1]), mask_width), fill,
+                       doc=f"{mask_format} grammar mask over {vocab} tokens{head}", vocab_size=vocab)
+        )
+    rank = None
     if tp_degree > 1:
-        mask_args.append(editor.add_tensor_input(RANK_INPUT, (1,), torch.int32, 0, device=first.device))
+        plan, _ = heads[0]
+        rank = editor.add_tensor_input(RANK_INPUT, (1,), torch.int32, 0, device=plan.points[0].meta["val"].device)
         report.inputs_added.append(
             AddedInput(RANK_INPUT, torch.int32, (1,), None, bounds=(0, tp_degree),
-                       doc=f"this rank's index among tp_degree={tp_degree} vocab shards of {width} columns")
+                       doc=f"this rank's index among tp_degree={tp_degree} vocab shards of {plan.width} columns")
         )
 
-    def apply_mask(logits: torch.Tensor, mask: torch.Tensor, *rank: torch.Tensor) -> torch.Tensor:
-        if rank:  # vocab-parallel: (tp_rank,)
-            allowed = allowed_shard_columns(mask, width, vocab, rank[0])
-        else:
-            allowed = allowed_columns(mask, width, vocab)
-        if fallback is not None:
-            columns = shard_columns(rank[0], width) if rank else torch.arange(width, device=logits.device)
-            token = columns == fallback
-            allowed = allowed.logical_or(empty_rows(mask, vocab).unsqueeze(-1).logical_and(token))
-        return logits.masked_fill(allowed.logical_not(), float("-inf"))
+    for index, ((plan, vocab), mask) in enumerate(zip(heads, masks)):
+        name = mask_input_name(index)
 
-    output = editor.output_node
-    for point in plan.points:
-        users = [u for u in point.users if u is not output] if plan.sites else [output]
-        masked = editor.splice(apply_mask, [point, *mask_args], near=point, prefix=MASK_INPUT)
-        for user in users:
-            user.replace_input_with(point, masked)
-    if fallback is None:
-        flag = editor.splice(lambda m: empty_rows(m, vocab), [mask], near=plan.points[0], prefix=EMPTY_OUTPUT)
-        editor.add_output(flag)
-        report.outputs_added.append(EMPTY_OUTPUT)
+        for point in plan.points:
+            args = [point, mask] + ([rank] if rank is not None else [])
+            masked = editor.splice(_mask_kernel(vocab, fallback), args, near=point, prefix=name)
+            if plan.sites:  # the samplers read masked logits; a logits output stays raw (logprobs)
+                editor.replace_uses(point, masked, keep_output=True)
+            else:  # no sampler: the logits output itself is masked
+                editor.replace_uses(point, masked, users=[editor.output_node])
+        if fallback is None:
+            flag_name = empty_output_name(name)
+            flag = editor.splice(_empty_kernel(vocab), [mask], near=plan.points[0], prefix=flag_name)
+            editor.add_output(flag, flag_name)
+            report.outputs_added.append(flag_name)
 
-    report.sites = [
-        {"node": node.name, "kind": kind, "module": module_path(node)} for node, kind in plan.sites
-    ] or [{"node": p.name, "kind": "logits_output", "module": module_path(p)} for p in plan.points]
-    report.nodes_inserted = len(editor.inserted)
-    report.notes.append(
-        f"logits {plan.root.name} [{width} wide, vocab_size {vocab}] masked at "
-        + ", ".join(p.name for p in plan.points)
-    )
-    if tp_degree > 1:
+        sites = [{"node": node.name, "kind": kind, "module": module_path(node)} for node, kind in plan.sites]
+        sites = sites or [{"node": p.name, "kind": "logits_output", "module": module_path(p)} for p in plan.points]
+        for site in sites:
+            site.update(head=index, mask_input=name)
+        report.sites += sites
+        width = plan.width  # with tp_degree > 1: this rank's shard
         report.notes.append(
-            f"vocab-parallel: {tp_degree} shards of {width} columns, this rank's from the {RANK_INPUT} input; "
-            f"{width * tp_degree - vocab} padding column(s) disallowed"
+            (f"{describe_head(index, plan)}: " if len(heads) > 1 else "")
+            + f"logits {plan.root.name} [{width} wide, vocab_size {vocab}] masked by {name} at "
+            + ", ".join(p.name for p in plan.points)
         )
-    if plan.sites and any(o in plan.points for o in editor.user_output_nodes()):
-        report.notes.append("the raw logits are also returned unmasked (for logprobs); the sampler sees masked logits")
+        if tp_degree > 1:
+            report.notes.append(
+                f"vocab-parallel: {tp_degree} shards of {width} columns, this rank's from the {RANK_INPUT} input; "
+                f"{width * tp_degree - vocab} padding column(s) disallowed"
+            )
+        if plan.sites and any(o in plan.points for o in editor.user_output_nodes()):
+            report.notes.append("the raw logits are also returned unmasked (for logprobs); the sampler sees masked logits")
+    report.nodes_inserted = len(editor.inserted)
     return editor.build(), report
+
+
+def _mask_kernel(vocab: int, fallback: int | None):
+    def apply_mask(logits: torch.Tensor, mask: torch.Tensor, *rank: torch.Tensor) -> torch.Tensor:
+        return apply_bitmask(logits, mask, vocab, rank=rank[0] if rank else None, empty_token=fallback)
+
+    return apply_mask
+
+
+def _empty_kernel(vocab: int):
+    return lambda mask: empty_rows(mask, vocab)

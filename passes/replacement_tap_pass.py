@@ -52,7 +52,8 @@ from neuron_constrain.program import ProgramEditor, user_input_names
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import normalize_module_path
 
-RANK_INPUT = "tap_rank"
+INPUT_PREFIX = "tap_"  # tap_<name> (replacement), tap_<name>_enabled (row flags)
+RANK_INPUT = INPUT_PREFIX + "rank"
 CAPTURE_PREFIX = "capture_"
 
 
@@ -107,12 +108,12 @@ def _pattern_regex(pattern: str) -> re.Pattern:
 
 def match_modules(pattern: str, paths: Iterable[str]) -> list[str]:
     """The module paths ``pattern`` matches (in the given order), or a TransformError."""
-    paths = list(dict.fromkeys(paths))
+    paths = [p for p in dict.fromkeys(paths) if p]  # '' is the root module: never a tap
     regex = _pattern_regex(pattern)
-    found = [p for p in paths if p and regex.match(p)]
+    found = [p for p in paths if regex.match(p)]
     if not found:
         probe = pattern.replace("**.", "").replace("*", "0")
-        near = difflib.get_close_matches(probe, [p for p in paths if p], n=5, cutoff=0.4)
+        near = difflib.get_close_matches(probe, paths, n=5, cutoff=0.4)
         raise TransformError(
             f"tap pattern {pattern!r} matches no module; nearest module paths: {near or sorted(paths)[:5]}. "
             "Patterns are dotted module paths as named_modules() spells them, '*' = one component"
@@ -151,7 +152,7 @@ def _module_outputs(editor: ProgramEditor, path: str) -> list[torch.fx.Node | No
 
 
 def _input_name(tap_name: str) -> str:
-    return "tap_" + re.sub(r"\W", "_", tap_name)
+    return INPUT_PREFIX + re.sub(r"\W", "_", tap_name)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -164,7 +165,7 @@ def replacement_tap_pass(
         raise TransformError("taps is empty: name at least one module pattern, e.g. 'model.layers.*.mlp.router'")
     if not isinstance(sequence_parallel, int) or sequence_parallel < 1:
         raise TransformError(f"sequence_parallel={sequence_parallel!r}: use the number of ranks (an int >= 1)")
-    if any(name.startswith("tap_") for name in user_input_names(program)):
+    if any(name.startswith(INPUT_PREFIX) for name in user_input_names(program)):
         raise TransformError("the program already has tap inputs: tap the original model or program, not its rewrite")
 
     editor = ProgramEditor(program)
@@ -174,7 +175,8 @@ def replacement_tap_pass(
     if sequence_parallel > 1:
         rank = editor.add_tensor_input(RANK_INPUT, (), torch.int64, 0)
         report.inputs_added.append(
-            AddedInput(RANK_INPUT, torch.int64, (), None, doc=f"this rank's index in [0, {sequence_parallel})")
+            AddedInput(RANK_INPUT, torch.int64, (), None, bounds=(0, sequence_parallel),
+                       doc=f"this rank's index in [0, {sequence_parallel})")
         )
 
     seen: dict[str, str] = {}
@@ -236,9 +238,8 @@ def _insert_tap(editor, report, tap: Tap, name: str, value, rank, world: int) ->
 
     args = [value, replacement, enabled] + ([rank] if rank is not None else [])
     new = editor.splice(tapped, args, near=value, prefix=input_name)
-    for user in users:
-        user.replace_input_with(value, new)
+    editor.replace_uses(value, new, users=users)
     if tap.capture:
-        editor.add_output(value)
+        editor.add_output(value, CAPTURE_PREFIX + name)
         report.outputs_added.append(CAPTURE_PREFIX + name)
     report.sites.append({"node": value.name, "kind": "tap", "module": name.split(":")[0], "tap": name})

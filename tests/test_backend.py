@@ -220,8 +220,17 @@ def test_dynamic_shapes_are_refused_with_the_fix():
     model = tiny_decoder("llama", vocab_size=PADDED)
     be = nc.backend(inner="eager", vocab_size=VOCAB)
     compiled = torch.compile(GreedyStep(model), backend=be, dynamic=True)
-    with torch.no_grad(), pytest.raises(Exception, match="compile with dynamic=False"):
+    # torch.compile by hand: dynamo wraps the backend's error; the cause is ours, with the fix
+    wrapped = torch._dynamo.exc.BackendCompilerFailed
+    with torch.no_grad(), pytest.raises(wrapped, match="compile with dynamic=False") as info:
         compiled(random_ids(BATCH, SEQ, VOCAB))
+    assert isinstance(info.value.inner_exception, TransformError)
+    assert "graph with symbolic sizes" in str(info.value.inner_exception)
+    # nc.compile unwraps it: the library's own error, nothing of dynamo's around it
+    torch._dynamo.reset()
+    ours = nc.compile(GreedyStep(model), inner="eager", vocab_size=VOCAB, dynamic=True)
+    with torch.no_grad(), pytest.raises(TransformError, match=r"symbolic sizes .*; compile with dynamic=False \(nc.compile does\)"):
+        ours(random_ids(BATCH, SEQ, VOCAB))
 
 
 def test_inner_cannot_be_this_backend():

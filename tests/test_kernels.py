@@ -22,10 +22,8 @@ from hypothesis import strategies as st
 
 from neuron_constrain.kernels import (
     ALL_ALLOWED_WORD,
-    all_allowed_bitmask,
     allowed_columns,
     apply_bitmask,
-    apply_bool_mask,
     empty_rows,
     masked_argmax,
     pack_bool_mask,
@@ -177,10 +175,10 @@ def test_apply_bitmask_matches_xgrammar_and_reference(case):
 
 @FEW
 @given(logits_and_masks())
-def test_apply_bool_mask_matches_apply_bitmask(case):
+def test_apply_bitmask_takes_a_bool_mask_too(case):
     logits, packed, vocab = case
     bool_mask = torch.from_numpy(ref_allowed(packed, vocab))
-    got = apply_bool_mask(logits, bool_mask, vocab)
+    got = apply_bitmask(logits, bool_mask, vocab)
     assert torch.equal(got, apply_bitmask(logits, packed, vocab))
     assert torch.equal(got[:, :vocab], xgrammar_apply(logits, packed, vocab))
 
@@ -248,9 +246,9 @@ def test_bit_31_is_token_31_not_a_sign_extension():
 
 
 def test_all_allowed_rows_are_minus_one():
-    assert all_allowed_bitmask(2, vocab_size=64).tolist() == [[-1, -1], [-1, -1]]
+    assert torch.full((2, packed_width(64)), ALL_ALLOWED_WORD, dtype=torch.int32).tolist() == [[-1, -1], [-1, -1]]
     assert pack_bool_mask(torch.ones(3, 128, dtype=torch.bool)).eq(ALL_ALLOWED_WORD).all()
-    assert unpack_bitmask(all_allowed_bitmask(1, vocab_size=100), 100).all()
+    assert unpack_bitmask(torch.full((1, packed_width(100)), ALL_ALLOWED_WORD, dtype=torch.int32), 100).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -307,12 +305,12 @@ def test_vocab_size_wider_than_logits_names_both_widths():
     with pytest.raises(ValueError, match=r"logits have 100 columns but the mask covers vocab_size=128"):
         masked_argmax(torch.zeros(1, 100), torch.zeros(1, 4, dtype=torch.int32), 128)
     with pytest.raises(ValueError, match=r"logits have 100 columns but the mask covers vocab_size=128"):
-        apply_bool_mask(torch.zeros(1, 100), torch.ones(1, 128, dtype=torch.bool), 128)
+        apply_bitmask(torch.zeros(1, 100), torch.ones(1, 128, dtype=torch.bool), 128)
 
 
 def test_bool_mask_of_wrong_width_names_both_widths():
     with pytest.raises(ValueError, match=r"bool logit mask has 90 columns but vocab_size=100"):
-        apply_bool_mask(torch.zeros(1, 128), torch.ones(1, 90, dtype=torch.bool), 100)
+        apply_bitmask(torch.zeros(1, 128), torch.ones(1, 90, dtype=torch.bool), 100)
 
 
 def test_non_positive_vocab_size():
@@ -426,7 +424,7 @@ def test_xla_lowering_compiles_once_for_changing_mask_contents():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(8, WIDTH, generator=gen)
     cases = [
-        all_allowed_bitmask(8, vocab_size=VOCAB),
+        torch.full((8, packed_width(VOCAB)), ALL_ALLOWED_WORD, dtype=torch.int32),
         torch.randint(-(2**31), 2**31, (8, packed_width(VOCAB)), dtype=torch.int32, generator=gen),
         torch.full((8, packed_width(VOCAB)), SIGN_BIT, dtype=torch.int32),
         torch.zeros(8, packed_width(VOCAB), dtype=torch.int32),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import types
 
 import pytest
 import torch
@@ -46,6 +47,32 @@ def step_case(arch: str, kind: str):
     raise AssertionError(kind)
 
 
+class MaskedLogits(torch.nn.Module):
+    """The untransformed model with its last-position logits masked by hand (padding
+    columns too): run under the step's own sampler, the eager reference."""
+
+    def __init__(self, model: torch.nn.Module, allowed: torch.Tensor):
+        super().__init__()
+        self.model, self.allowed = model, allowed
+
+    def forward(self, input_ids, use_cache=False):
+        logits = self.model(input_ids=input_ids, use_cache=use_cache).logits.clone()
+        vocab = self.allowed.shape[-1]
+        last = logits[:, -1]
+        last[:, :vocab] = last[:, :vocab].masked_fill(~self.allowed, float("-inf"))
+        last[:, vocab:] = float("-inf")
+        return types.SimpleNamespace(logits=logits)
+
+
+def eager_tokens(kind: str, model: torch.nn.Module, args: tuple, allowed: torch.Tensor) -> torch.Tensor:
+    """What the step picks from the eager logits of the untransformed model, masked:
+    the best allowed token (greedy), or the sampler's pick among allowed tokens."""
+    reference = MaskedLogits(model, allowed)
+    step = {"greedy": GreedyStep, "sampling": lambda m: SamplingStep(m, top_k=50, top_p=0.9)}[kind](reference)
+    with torch.no_grad():
+        return step(*args)
+
+
 @functools.lru_cache(maxsize=None)
 def transformed_step(arch: str, kind: str):
     step, args, dynamic = step_case(arch, kind)
@@ -69,6 +96,9 @@ def test_sampled_token_is_always_allowed(arch, kind):
         tokens = t(*args, logit_mask=pack_bool_mask(allowed))
         assert tokens.shape == (BATCH,)
         assert bool(allowed[torch.arange(BATCH), tokens].all()), (tokens, allowed.sum(-1))
+        if kind != "topk":  # deterministic: the best allowed token, or the race's winner among allowed ones
+            expected = eager_tokens(kind, step.model, args, allowed)
+            assert torch.equal(tokens, expected), (seed, tokens, expected)
 
 
 @pytest.mark.parametrize("arch,kind", CASES)
@@ -131,7 +161,7 @@ def test_bare_causal_lm_masks_its_logits_output(arch):
 
 
 def test_dynamic_batch_stays_dynamic():
-    _, args, _, t = transformed_step("llama", "greedy")
+    step, args, _, t = transformed_step("llama", "greedy")
     (mask_input,) = t.report["logit_mask"].inputs_added
     assert not isinstance(mask_input.shape[0], int), mask_input.shape
     for batch in (1, 2, 5):
@@ -139,6 +169,7 @@ def test_dynamic_batch_stays_dynamic():
         allowed = random_allowed(batch, VOCAB, batch)
         tokens = t(ids, logit_mask=pack_bool_mask(allowed))
         assert tokens.shape == (batch,) and bool(allowed[torch.arange(batch), tokens].all())
+        assert torch.equal(tokens, eager_tokens("greedy", step.model, (ids,), allowed))
 
 
 def test_inserted_nodes_carry_metadata_and_are_plain_aten():
@@ -224,11 +255,15 @@ def test_fallback_token_policy_emits_that_token_in_graph():
     tokens = t(*args, logit_mask=pack_bool_mask(allowed))
     assert int(tokens[0]) == eos
     assert bool(allowed[torch.arange(1, BATCH), tokens[1:]].all())
+    fallback = allowed.clone()
+    fallback[0, eos] = True  # what empty_row=eos means: the empty row allows exactly eos
+    assert torch.equal(tokens, eager_tokens("greedy", step.model, args, fallback))
     # sampling path: the fallback keeps softmax finite
     step, args, dynamic = step_case("llama", "sampling")
     t = nc.transform(step, args, dynamic_shapes=dynamic, vocab_size=VOCAB, empty_row=eos)
     tokens = t(*args, logit_mask=pack_bool_mask(allowed))
     assert int(tokens[0]) == eos
+    assert torch.equal(tokens, eager_tokens("sampling", step.model, args, fallback))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -313,6 +348,18 @@ def synthetic(vocab: int, pad: int, kind: str, fmt: str):
     )
 
 
+def synthetic_reference(vocab: int, pad: int, kind: str, ids, noise, allowed) -> torch.Tensor:
+    """The untransformed decoder's eager logits, masked by hand, through its own sampler."""
+    module = SyntheticDecoder(vocab, vocab + pad, kind)  # seeded by vocab: the same weights
+    with torch.no_grad():
+        logits = module.lm_head(module.body(module.embed(ids)))[:, -1]
+    logits[:, :vocab] = logits[:, :vocab].masked_fill(~allowed, float("-inf"))
+    logits[:, vocab:] = float("-inf")
+    if kind == "greedy":
+        return logits.argmax(-1)
+    return ((logits / 0.7).softmax(-1) / noise).argmax(-1)
+
+
 @given(
     vocab=st.integers(33, 300).filter(lambda v: v % 32 != 0),
     pad=st.sampled_from([0, 7, 40]),
@@ -331,3 +378,5 @@ def test_property_token_allowed_and_formats_agree(vocab, pad, kind, batch, densi
     bool_tokens = synthetic(vocab, pad, kind, "bool")(ids, noise, logit_mask=allowed)
     assert bool(allowed[torch.arange(batch), packed_tokens].all())
     assert torch.equal(packed_tokens, bool_tokens)
+    expected = synthetic_reference(vocab, pad, kind, ids, noise, allowed)
+    assert torch.equal(packed_tokens, expected), (packed_tokens, expected)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 import neuron_constrain as nc
@@ -171,18 +171,26 @@ def test_property_graph_matches_reference_over_batch_updates(kind, masked, data)
             allowed[torch.rand(batch, generator=generator) < 0.3] = False
             allowed[:, EOS] = True
         raw = module.logits(ids).detach()
-        rows, empty = [], []
-        for row in range(batch):
-            params, prompt, outputs = requests.get(row, [RequestParams(), [], []])
-            x = reference_row(raw[row].tolist(), allowed[row].tolist(), params, prompt, outputs, eos=EOS, vocab=VOCAB)
-            rows.append(x)
-            if all(v == NEG_INF for v in x[:VOCAB]):
-                empty.append(row)
+
+        def reference_rows():
+            rows = []
+            for row in range(batch):
+                params, prompt, outputs = requests.get(row, [RequestParams(), [], []])
+                rows.append(reference_row(raw[row].tolist(), allowed[row].tolist(), params, prompt, outputs,
+                                          eos=EOS, vocab=VOCAB))
+            return rows, [row for row, x in enumerate(rows) if all(v == NEG_INF for v in x[:VOCAB])]
+
+        rows, empty = reference_rows()
         if empty:
             with pytest.raises(EmptyMaskRowError) as info:
                 t(ids, noise, logit_mask=allowed, **state.inputs())
             assert info.value.rows == empty
-            return
+            # and the example goes on: as a runtime would, lift those rows' grammar mask
+            # (min_tokens alone never empties a row: only EOS and <= 2 stop ids are banned)
+            allowed[empty] = True
+            rows, empty = reference_rows()
+            assert empty == []
+            event("an empty row named, lifted, and the example went on")
         got = t(ids, noise, logit_mask=allowed, **state.inputs())
         greedy = [argmax(x) for x in rows]
         sampled = []
@@ -367,11 +375,18 @@ def test_min_tokens_masking_the_only_allowed_eos():
 
 
 def test_without_the_mask_pass_the_flag_is_added():
-    _, t = synthetic("greedy", logit_mask=None)
+    module, t = synthetic("greedy", logit_mask=None)
     assert t.report["logits_processors"].outputs_added == ["logit_mask_empty"]
     state = ProcessorState.for_model(t, 1, eos_token_id=EOS)
     state.update(BatchUpdate(1, added=[(0, RequestParams(logit_bias={EOS: 1.0}), [])]))
-    t(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, WIDTH), **state.inputs())  # runs, no empty row
+    ids, noise = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, WIDTH)
+    want = argmax(reference_row(module.logits(ids)[0].tolist(), [True] * VOCAB, RequestParams(logit_bias={EOS: 1.0}),
+                                [], [], eos=EOS, vocab=VOCAB))
+    assert t(ids, noise, **state.inputs()).tolist() == [want]  # runs (no empty row) and the bias is applied
+    state.update(BatchUpdate(1, removed=[0], added=[(0, RequestParams(logit_bias={EOS: 100.0}), [])]))
+    assert t(ids, noise, **state.inputs()).tolist() == [EOS]
+    state.update(BatchUpdate(1, removed=[0], added=[(0, RequestParams(min_tokens=1, logit_bias={EOS: 100.0}), [])]))
+    assert t(ids, noise, **state.inputs()).tolist() != [EOS]  # min_tokens outranks the bias
     assert "logit_mask" not in {i.name for i in t.report.inputs_added}
 
 

@@ -12,23 +12,12 @@ from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
-from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer
+from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer, weather_tool
 
 MODEL_VOCAB = 768
 BATCH = torch.export.Dim("batch")
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"location": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["location", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = weather_tool(10)
 SEARCH = {
     "type": "function",
     "function": {
@@ -320,3 +309,21 @@ def test_mixed_batch_rows_equal_per_request_masks(vocab, compiled, data):
             reference.finished = reference.finished or token == vocab.eos_id
             assert finished == reference.finished
 
+
+
+def test_parallel_and_direct_fills_write_the_same_rows(vocab):
+    """Batch 1 (the matcher directly), a few rows on this thread, and the threaded batch fill agree."""
+    texts = ['{"a":1', '{"a":12,"b":[tr', '"ab', 'ye', '[1,', "cc", '{"a":', "m"]
+    constraints = [POOL[0], POOL[0], POOL[1], POOL[3], POOL[4], POOL[2], POOL[0], POOL[3]]
+    masks = []
+    for threads, min_rows in [(1, 2), (2, 2), (2, 16)]:
+        runtime = S.StructuredRuntime(vocab.info, max_rows=8, fill_threads=threads, parallel_min_rows=min_rows)
+        for index, (constraint, text) in enumerate(zip(constraints, texts)):
+            runtime.add(index, constraint)
+            runtime.accept(index, vocab.encode(text))
+        masks.append(runtime.step(list(range(8))[::-1]).clone())
+        singles = [runtime.step([i]).clone() for i in range(8)]
+        assert torch.equal(torch.cat(singles[::-1]), masks[-1])
+        runtime.close()
+    assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+    assert len({tuple(row.tolist()) for row in masks[0]}) >= 6  # distinct states, so a row mix-up would show

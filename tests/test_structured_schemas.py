@@ -202,3 +202,55 @@ def test_teacher_forcing_catches_a_wrong_row(forced, vocab):
     assert tokens[0] != need[0] and tokens[1] != need[1]
     with pytest.raises(S.DisallowedTokenError, match="request 'a'"):
         runtime.accept_rows(["a", "b"], tokens)
+
+
+# ----------------------------------------------------------------------------- options and drafts
+
+
+def test_validate_output_uses_the_declared_draft():
+    draft4 = "http://json-schema.org/draft-04/schema#"
+    exclusive = S.json_schema({"$schema": draft4, "type": "number", "minimum": 5, "exclusiveMinimum": True})
+    assert S.validate_output(exclusive, "5") is not None  # draft-04: minimum 5 exclusive
+    assert S.validate_output(exclusive, "5.5") is None
+    tuple_items = S.json_schema({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+                                 "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False}, strict=False)
+    assert S.validate_output(tuple_items, '[1, "a"]') is None
+    assert S.validate_output(tuple_items, '["a", 1]') is not None  # draft-07 tuple: position 0 is an integer
+    assert S.validate_output(tuple_items, '[1, "a", 2]') is not None  # additionalItems: false
+    dependencies = S.json_schema({"$schema": draft4, "type": "object", "dependencies": {"card": ["billing"]}})
+    assert S.validate_output(dependencies, '{"card": 1}') is not None  # draft-04: card needs billing
+    assert S.validate_output(dependencies, '{"card": 1, "billing": 2}') is None
+    # no $schema: 2020-12, where a boolean exclusiveMinimum is not even valid and tuple items is prefixItems
+    assert S.validate_output(S.json_schema({"type": "array", "prefixItems": [{"type": "integer"}]}), '["a"]') is not None
+
+
+def _accepts(vocab, constraint, text) -> bool:
+    matcher = xgr.GrammarMatcher(constraint.compile(xgr.GrammarCompiler(vocab.info, max_threads=1)))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_whitespace_and_strict_options(vocab):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "required": ["a", "b"]}
+    none, compact, bounded = (S.json_schema(schema, whitespace=w) for w in ("none", "compact", "bounded"))
+    assert _accepts(vocab, none, '{"a":1,"b":true}') and not _accepts(vocab, none, '{"a": 1, "b": true}')
+    assert _accepts(vocab, compact, '{"a": 1, "b": true}') and not _accepts(vocab, compact, '{"a":1,"b":true}')
+    assert _accepts(vocab, bounded, '{ "a":  1,\n "b": true }')
+    assert not _accepts(vocab, bounded, '{"a":   1, "b": true}')  # 3 spaces: over the bound of 2
+    assert _accepts(vocab, S.json_schema(schema, whitespace="bounded", max_whitespace=4), '{"a":    1, "b": true}')
+    assert S.json_schema(schema, compact=False).whitespace == "any" and S.json_schema(schema).compact
+    extra = '{"a":1,"b":true,"c":null}'
+    assert not _accepts(vocab, S.json_schema(schema), extra) and _accepts(vocab, S.json_schema(schema, strict=False), extra)
+    with pytest.raises(S.ConstraintError, match="whitespace='tabs' is not one of"):
+        S.json_schema(schema, whitespace="tabs")
+    with pytest.raises(S.ConstraintError, match="not both"):
+        S.json_schema(schema, whitespace="none", compact=True)
+
+
+def test_constraint_errors_are_one_clean_line(vocab):
+    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
+    for constraint in [S.json_schema({"type": "strin"}), S.regex("(unclosed"), S.ebnf("root ::= undefined_rule")]:
+        with pytest.raises(S.ConstraintError) as error:
+            constraint.compile(compiler)
+        message = str(error.value)
+        assert "\n" not in message and ".cc:" not in message and "/project" not in message, message
+        assert not message.startswith("[") and "resubmit" in message or "fix the schema" in message, message

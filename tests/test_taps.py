@@ -187,15 +187,16 @@ def test_switching_taps_never_recompiles_under_torch_compile():
 
 def test_switching_taps_compiles_once_on_xla():
     pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
-    import torch.export.passes
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as metrics
+
+    from neuron_constrain.xla import to_xla
 
     model = tiny_decoder("llama", vocab_size=VOCAB, seed=0)
     ids = random_ids(2, SEQ, VOCAB)
     t = nc.transform(LogitsStep(model), (ids,), logit_mask=None, taps=["model.layers.*.mlp"])
     device = xm.xla_device()
-    on_xla = nc.Transformed(torch.export.passes.move_to_device_pass(t.program, device), t.report)
+    on_xla = to_xla(t, device)  # a copy: t.program stays on the host
     names = [s["tap"] for s in t.report["taps"].sites]
     reference = {n: torch.randn(2, SEQ, 64) for n in names}
     half = torch.tensor([True, False] * SEQ)
@@ -419,3 +420,40 @@ def test_validation_reports_where_a_perturbed_layer_diverges():
             ids.append(ref)
         assert report.first_divergence(p) == first
     assert f"diverged at step {report.divergences[0].step}" in report.summary()
+
+
+def test_replacement_contexts_are_per_thread():
+    """Two server threads share one Transformed: each call sees its own thread's references."""
+    import threading
+
+    model = tiny_decoder("llama", vocab_size=VOCAB, seed=0)
+    ids = random_ids(2, 4, VOCAB)
+    t = nc.transform(LogitsStep(model), (ids,), logit_mask=None, taps=["model.layers.0.mlp"])
+    (name,) = {i.tap[0] for i in t.report["taps"].inputs_added}
+    hidden = model.config.hidden_size
+    references = [torch.full((8, hidden), 0.5), torch.full((8, hidden), -2.0)]
+    expected = []
+    for reference in references:
+        with active_context({name: reference}):
+            expected.append(t(ids))
+    assert not torch.equal(expected[0], expected[1])  # the references really change the logits
+    barrier, results, errors = threading.Barrier(2), {}, []
+
+    def serve(index: int):
+        try:
+            set_active_context({name: references[index]})
+            barrier.wait(timeout=60)  # both contexts are set before either thread calls
+            results[index] = [t(ids) for _ in range(3)]
+            set_active_context(None)
+        except Exception as error:  # surfaced below, never a silent pass
+            errors.append(error)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and all(not thread.is_alive() for thread in threads)
+    for index in range(2):
+        assert all(torch.equal(out, expected[index]) for out in results[index])
+    assert get_replacement_tensor(name) is None  # this thread never set a context

@@ -251,18 +251,18 @@ def test_save_load_round_trip_takes_tp_rank(tmp_path):
 
 def test_one_xla_compilation_serves_every_rank():
     torch_xla = pytest.importorskip("torch_xla")
-    import torch.export.passes
     import torch_xla.debug.metrics as metrics
+
+    from neuron_constrain.xla import to_xla
 
     def compilations() -> int:
         data = metrics.metric_data("CompileTime")
         return data[0] if data else 0
 
     vocab, tp = 1001, 3
-    # A fresh export: move_to_device_pass moves the program's weights, shared with the cached one.
-    t = nc.transform(sharded_program.__wrapped__(vocab, tp), vocab_size=vocab, tp_degree=tp)
+    t = nc.transform(sharded_program(vocab, tp), vocab_size=vocab, tp_degree=tp)
     device = torch_xla.device()
-    on_xla = torch.export.passes.move_to_device_pass(t.program, device).module()
+    on_xla = to_xla(t.program, device).module()  # a copy: the cached program stays on the host
     ids = random_ids(BATCH, SEQ, vocab)
     seen = []
     for rank in range(tp):
@@ -350,7 +350,8 @@ def test_vocab_sharded_greedy_across_processes_matches_one_process(world, tmp_pa
 
 
 def test_cli_rewrites_and_checks_a_vocab_parallel_program(tmp_path, capsys):
-    from neuron_constrain.cli import check_program, main
+    from neuron_constrain.checks import check_program
+    from neuron_constrain.cli import main
 
     torch.export.save(sharded_program(1001, 3), tmp_path / "rank.pt2")
     out = tmp_path / "rank-masked.pt2"

@@ -89,6 +89,42 @@ def test_openxla_backend_compiles_once(xla, arch):
     assert compilations(met) == 1, f"expected one XLA compilation, got {compilations(met)}"
 
 
+# ----------------------------------------------------------------------------- moving a program
+
+
+def graph_code(program) -> dict[str, str]:
+    return {name: m.code for name, m in program.graph_module.named_modules() if isinstance(m, torch.fx.GraphModule)}
+
+
+def test_to_xla_moves_a_copy_and_regenerates_nested_code():
+    # No torch-xla needed (the meta device stands in for XLA): runs on both lanes. A
+    # grad-enabled export keeps device='cpu' in a wrap_with_set_grad_enabled submodule;
+    # move_to_device_pass edits its nodes in place and regenerates no code.
+    model = tiny_decoder("llama", vocab_size=256, hidden_size=32)
+    ids = random_ids(2, 5, 250)
+    program = torch.export.export(GreedyStep(model), (ids,))
+    nested = [m for name, m in program.graph_module.named_modules() if name and isinstance(m, torch.fx.GraphModule)]
+    assert nested and any("device(type='cpu')" in m.code for m in nested)
+    t = nc.transform(program, vocab_size=250)
+    code = graph_code(t.program)
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits[:, -1, :250].argmax(-1)
+    meta = torch.device("meta")
+    all_allowed = torch.full((2, 8), -1, dtype=torch.int32, device=meta)
+    with torch.no_grad():
+        tokens = to_xla(t, meta)(ids.to(meta))
+        raw_tokens, empty = to_xla(t.program, meta).module()(ids.to(meta), logit_mask=all_allowed)
+    for out in (tokens, raw_tokens):
+        assert out.device == meta and out.shape == (2,)
+    assert empty.device == meta
+    # the caller's program is as it was: on the host, same code, runs, and a fresh module from it too
+    assert {str(v.device) for v in t.program.state_dict.values()} == {"cpu"}
+    assert graph_code(t.program) == code
+    with torch.no_grad():
+        assert torch.equal(t(ids), expected)
+        assert torch.equal(nc.Transformed(t.program, t.report)(ids), expected)
+
+
 # ----------------------------------------------------------------------------- HLO
 
 

@@ -1,173 +1,35 @@
-"""Logits processors: which ones exist, how custom ones load, and the host state that
-feeds the graph inputs the logits-processors pass adds.
-
-Built-ins, in graph order (see ``neuron_constrain.passes.logits_processors_pass``)::
-
-    min_tokens   stop ids masked while a row still has to generate tokens
-    logit_bias   sparse per-row token biases (fixed K ids/values per row)
-    penalties    repetition / frequency / presence on the distinct tokens a row has seen
-                 (prompt and output; fixed L ids per row, with output counts)
-    min_p        probability-space threshold; with a per-row temperature before it
-                 (sampling paths only: both are argmax-invariant)
-
-Custom processors subclass :class:`LogitsProcessor` and are named in
-``processors=[...]`` as an entry point of the ``neuron_constrain.processors`` group or
-as ``"module:Qualname"``; a name that does not load, or does not name a
-``LogitsProcessor``, raises :class:`ProcessorError` when the list is resolved (at
-transform time and when the host state is built), never skipped.
-
-Host state: :class:`ProcessorState` keeps every processor's per-request values in
-persistent batch slots (one row per slot, shaped like the graph inputs) and applies
-a :class:`BatchUpdate` in the order removed, added, moved (one-way or swap)::
-
-    state = ProcessorState.for_model(transformed, max_num_reqs=64, eos_token_id=eos)
-    state.update(BatchUpdate(batch_size=2, added=[(0, RequestParams(min_tokens=5), prompt_ids), ...]))
-    tokens = transformed(ids, **state.inputs())        # fixed-shape inputs, one per graph input
-    state.append_tokens(tokens)                         # output counts, min_tokens countdown
-
-``inputs()`` returns the same dict object while nothing changed, and for a processor
-no request uses it returns cached neutral tensors without touching per-slot data
-(the graph still receives every input).
-"""
+"""Host state for the logits-processors pass: per-request parameters, batch updates
+and the per-slot tensors fed to the graph inputs the pass added."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.metadata
 import math
+import operator
 from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = [
-    "BUILTIN_PROCESSORS",
-    "ENTRY_POINT_GROUP",
-    "BatchUpdate",
-    "LogitsProcessor",
-    "ProcessorError",
-    "ProcessorState",
-    "RequestParams",
-    "resolve_processors",
-]
+from neuron_constrain.processors.registry import (
+    BUILTIN_INPUTS,
+    BUILTIN_PROCESSORS,
+    PASS_NAME,
+    ProcessorError,
+    builtin_inputs,
+    resolve_processors,
+)
 
-BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
-ENTRY_POINT_GROUP = "neuron_constrain.processors"
 MOVE, SWAP = "move", "swap"
 
 
-class ProcessorError(ValueError):
-    """A processor name, definition or per-request parameter is not usable."""
-
-
-class LogitsProcessor:
-    """A custom in-graph logits processor.
-
-    Subclass it, set the class attributes and define ``apply`` (traced into the graph
-    with the program's fake tensors: plain torch ops, no branching on values or batch
-    size) and ``row`` (host side: this request's values, or ``None`` for neutral)::
-
-        class Scale(LogitsProcessor):
-            name = "scale"                                  # inputs are named scale_<key>
-            argmax_invariant = False                        # True: sampling paths only
-            inputs = {"factor": (torch.float32, (), 1.0)}   # key: (dtype, per-row shape, neutral fill)
-
-            def apply(self, logits, factor):
-                return logits * factor.unsqueeze(-1)
-
-            def row(self, params):
-                return {"factor": params.extra["scale"]} if "scale" in params.extra else None
-
-    It must build with no arguments. ``apply`` with every input at its fill must
-    leave the logits unchanged (what unconfigured rows and omitted inputs get).
-    """
-
-    name: str = ""
-    argmax_invariant: bool = False
-    inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...], Any]] = {}
-
-    def apply(self, logits: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def row(self, params: "RequestParams") -> Mapping[str, Any] | None:
-        return None
-
-
-# ----------------------------------------------------------------------------- resolving names
-
-
-def _load_object(spec: str):
-    if ":" in spec:
-        module_name, _, qualname = spec.partition(":")
-        try:
-            obj = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ProcessorError(
-                f"logits processor {spec!r} does not load ({type(exc).__name__}: {exc}); "
-                "use 'module:Qualname' of an importable LogitsProcessor subclass"
-            ) from exc
-        return obj
-    found = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
-    if not found:
-        raise ProcessorError(
-            f"unknown logits processor {spec!r}: not a built-in {BUILTIN_PROCESSORS}, not an entry point of the "
-            f"{ENTRY_POINT_GROUP!r} group, and not a 'module:Qualname' string"
-        )
+def _is_index(value) -> bool:
+    """An integer (Python, NumPy or a 0-d integer tensor), not a bool or a float."""
+    if isinstance(value, bool):
+        return False
     try:
-        return found[0].load()
-    except Exception as exc:  # an entry point can fail in any way its module does
-        raise ProcessorError(f"the {ENTRY_POINT_GROUP!r} entry point {spec!r} does not load: {exc}") from exc
-
-
-def _check_custom(obj, spec) -> LogitsProcessor:
-    if isinstance(obj, type) and issubclass(obj, LogitsProcessor):
-        obj = obj()
-    if not isinstance(obj, LogitsProcessor):
-        raise ProcessorError(
-            f"logits processor {spec!r} is {obj!r}, not a LogitsProcessor; subclass "
-            "neuron_constrain.processors.LogitsProcessor (name, argmax_invariant, inputs, apply, row)"
-        )
-    if not (isinstance(obj.name, str) and obj.name.isidentifier()) or obj.name in BUILTIN_PROCESSORS:
-        raise ProcessorError(
-            f"logits processor {spec!r} has name {obj.name!r}; set a Python identifier that is not a built-in name"
-        )
-    for key, value in obj.inputs.items():
-        ok = isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], torch.dtype)
-        if not ok or not all(isinstance(d, int) and d > 0 for d in value[1]):
-            raise ProcessorError(
-                f"logits processor {obj.name!r}: inputs[{key!r}] = {value!r}; use (dtype, per-row shape tuple, fill)"
-            )
-    return obj
-
-
-def resolve_processors(specs: Sequence | None, *, num_speculative_tokens: int = 0) -> list:
-    """Built-in names, entry points, ``module:Qualname`` strings, classes or instances
-    -> built-in names (in graph order) followed by custom ``LogitsProcessor`` instances.
-    """
-    specs = list(specs or ())
-    builtins, custom = [], []
-    for spec in specs:
-        if isinstance(spec, str) and spec in BUILTIN_PROCESSORS:
-            builtins.append(spec)
-            continue
-        custom.append(_check_custom(_load_object(spec) if isinstance(spec, str) else spec, spec))
-    names = builtins + [c.name for c in custom]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ProcessorError(f"logits processor(s) {repeated} named twice; list each once")
-    if num_speculative_tokens:
-        rejected = [n for n in names if n != "min_tokens"]
-        if rejected:
-            raise ProcessorError(
-                f"speculative decoding (num_speculative_tokens={num_speculative_tokens}) keeps only min_tokens, "
-                f"but {rejected} were requested: they change the target distribution that rejection sampling "
-                "compares draft tokens against. Pass processors=['min_tokens'] or num_speculative_tokens=0"
-            )
-    return [n for n in BUILTIN_PROCESSORS if n in builtins] + custom
-
-
-# ----------------------------------------------------------------------------- per-request parameters
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,29 +64,6 @@ class BatchUpdate:
     removed: Sequence[int] = ()
     added: Sequence[tuple] = ()
     moved: Sequence[tuple[int, int, str]] = ()
-
-
-# ----------------------------------------------------------------------------- host state
-
-# input name -> (group, dtype, per-row shape key, neutral fill); "S"/"K"/"L" are sized at run time.
-BUILTIN_INPUTS = {
-    "min_tokens_remaining": ("min_tokens", torch.int32, (), 0),
-    "min_tokens_stop_ids": ("min_tokens", torch.int64, ("S",), -1),
-    "logit_bias_ids": ("logit_bias", torch.int64, ("K",), -1),
-    "logit_bias_values": ("logit_bias", torch.float32, ("K",), 0.0),
-    "penalty_repetition": ("penalties", torch.float32, (), 1.0),
-    "penalty_frequency": ("penalties", torch.float32, (), 0.0),
-    "penalty_presence": ("penalties", torch.float32, (), 0.0),
-    "penalty_token_ids": ("penalties", torch.int64, ("L",), -1),
-    "penalty_token_counts": ("penalties", torch.int32, ("L",), 0),
-    "temperature": ("min_p", torch.float32, (), 1.0),
-    "min_p": ("min_p", torch.float32, (), 0.0),
-}
-
-
-def builtin_inputs(name: str) -> list[str]:
-    """The graph inputs of a built-in processor, in the order the pass adds them."""
-    return [k for k, v in BUILTIN_INPUTS.items() if v[0] == name]
 
 
 class ProcessorState:
@@ -290,8 +129,6 @@ class ProcessorState:
     @classmethod
     def for_model(cls, model, max_num_reqs: int, *, processors: Sequence | None = None, **options) -> "ProcessorState":
         """State for a ``Transformed`` model: input names, vocab_size and S/K/L read from its report."""
-        from neuron_constrain.passes.logits_processors_pass import PASS_NAME  # noqa: PLC0415 (cycle)
-
         if PASS_NAME not in model.report.passes:
             raise ProcessorError("the model was transformed without processors; pass processors=[...] to transform()")
         report = model.report.passes[PASS_NAME]
@@ -313,6 +150,7 @@ class ProcessorState:
     # ------------------------------------------------------------------ per-request rows
     def _rows(self, params: RequestParams, prompt: Sequence[int], output: Sequence[int]) -> dict[str, dict]:
         """group -> {input name: row value} for the groups this request uses (non-neutral)."""
+        self._check_params(params, prompt, output)
         rows: dict[str, dict] = {}
         if "min_tokens" in self.groups and params.min_tokens > len(output):
             stops = list(dict.fromkeys([*params.stop_token_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])]))
@@ -344,13 +182,7 @@ class ProcessorState:
             rows["logit_bias"] = {"logit_bias_ids": ids + [-1] * pad, "logit_bias_values": values + [0.0] * pad}
         if "penalties" in self.groups:
             rep, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
-            if not rep > 0 or not (math.isfinite(freq) and math.isfinite(pres)):
-                raise ProcessorError(
-                    f"penalties repetition={rep}, frequency={freq}, presence={pres}: repetition must be > 0 and "
-                    "the others finite (1.0 / 0.0 / 0.0 turn them off)"
-                )
             if (rep, freq, pres) != (1.0, 0.0, 0.0):
-                self._check_ids(list(prompt) + list(output), "prompt/output token ids")
                 columns = {int(t): i for i, t in enumerate(dict.fromkeys([*prompt, *output]))}
                 limit = self._specs["penalty_token_ids"][2][0]
                 if len(columns) > limit:
@@ -370,7 +202,7 @@ class ProcessorState:
                     "columns": columns,
                 }
         if "min_p" in self.groups:
-            if not 0.0 <= params.min_p <= 1.0 or not params.temperature > 0:
+            if not params.temperature > 0:  # a sampling graph divides by it
                 raise ProcessorError(
                     f"min_p={params.min_p}, temperature={params.temperature}: min_p must be in [0, 1] and temperature > 0 "
                     "(greedy requests use a greedy graph; min_p and temperature do not change an argmax)"
@@ -389,8 +221,36 @@ class ProcessorState:
             g: {k: v for k, v in r.items() if k in self._specs or k == "columns"} for g, r in rows.items() if g in self.groups
         }
 
+    def _check_params(self, params: RequestParams, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Every documented constraint, whichever processors the graph has: a value the
+        graph does not read is still refused rather than silently taken."""
+        if not isinstance(params, RequestParams):
+            raise ProcessorError(f"an added request takes a RequestParams, got {type(params).__name__}")
+        if not _is_index(params.min_tokens) or params.min_tokens < 0:
+            raise ProcessorError(f"min_tokens={params.min_tokens!r}: use an int >= 0 (0 turns it off)")
+        self._check_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self._check_ids(list(params.logit_bias), "logit_bias")
+            values = list(params.logit_bias.values())
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise ProcessorError(f"logit_bias values {values} must be numbers (a float per token id)")
+            if any(math.isnan(v) or v == math.inf for v in values):
+                raise ProcessorError(f"logit_bias values {values} include NaN or +inf; use finite values or -inf to ban")
+        rep, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+        if not 0 < rep < math.inf or not (math.isfinite(freq) and math.isfinite(pres)):
+            raise ProcessorError(
+                f"penalties repetition={rep}, frequency={freq}, presence={pres}: repetition must be > 0 and finite, "
+                "the others finite (1.0 / 0.0 / 0.0 turn them off)"
+            )
+        if not 0.0 <= params.min_p <= 1.0 or not 0 <= params.temperature < math.inf:
+            raise ProcessorError(
+                f"min_p={params.min_p}, temperature={params.temperature}: min_p must be in [0, 1] and temperature > 0 "
+                "and finite (a greedy graph also takes 0: min_p and temperature do not change an argmax)"
+            )
+        self._check_ids(list(prompt) + list(output), "prompt/output token ids")
+
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+        bad = [i for i in ids if not _is_index(i) or not 0 <= operator.index(i) < self.vocab_size]
         if bad:
             raise ProcessorError(f"{what} has ids {bad} outside the vocabulary [0, {self.vocab_size})")
 
@@ -407,6 +267,8 @@ class ProcessorState:
                 self._cache = None
 
     def _check_slot(self, slot: int) -> None:
+        if not _is_index(slot):
+            raise ProcessorError(f"batch slot {slot!r} is not an index: use an int in [0, {self.max_num_reqs})")
         if not 0 <= slot < self.max_num_reqs:
             raise ProcessorError(f"batch slot {slot} is outside [0, {self.max_num_reqs}); raise max_num_reqs")
 
@@ -414,7 +276,7 @@ class ProcessorState:
         """Apply removed, then added, then moved; rows are rebuilt only where something changed."""
         if batch is None:
             return
-        if not 0 <= batch.batch_size <= self.max_num_reqs:
+        if not _is_index(batch.batch_size) or not 0 <= batch.batch_size <= self.max_num_reqs:
             raise ProcessorError(f"batch_size={batch.batch_size} is outside [0, {self.max_num_reqs}]")
         for slot in batch.removed:
             self._check_slot(slot)
@@ -470,6 +332,7 @@ class ProcessorState:
         rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if len(rows) != self.batch_size:
             raise ProcessorError(f"append_tokens got {len(rows)} rows but the batch has {self.batch_size}")
+        self._check_ids([t for row in rows for t in (row if isinstance(row, list) else [row])], "sampled tokens")
         for slot in sorted(self.uses.get("min_tokens", ())):
             if slot >= self.batch_size:
                 continue

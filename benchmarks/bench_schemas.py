@@ -1,0 +1,288 @@
+"""MaskBench on our engines: coverage, validation / invalidation errors, mask timings.
+
+    python benchmarks/bench_schemas.py --data ../shared/data/maskbench-dev --engine llguidance \
+        [--tokenizer tekken] [--json OUT] [--timeout 60] [--unenforced refuse|allow] [--limit N]
+
+Each file is ``{"schema": ..., "tests": [{"valid": bool, "data": ...}]}``. Per file, in a
+worker process (killed after ``--timeout`` seconds: status ``timeout``):
+
+    compile     json_schema(schema, strict=False) (JSON Schema's own semantics) through the
+                engine with the keyword policy: ``compiled``, ``refused`` (the unenforced
+                keywords; the file is then also run with unenforced="allow" so its errors are
+                counted, on a refused schema) or ``compile_error``
+    feed        every test instance as compact JSON, tokenized by the real tokenizer, through a
+                fresh matcher: each token must be allowed by the mask filled before it and
+                accepted, then a stop token. Valid and rejected: a validation error; invalid
+                and accepted to the end: an invalidation error, *silent* unless the file was
+                refused or lists unenforced keywords.
+    time        ttfm (time to first mask: compile + matcher + first fill, ms); tbm (time between
+                masks: fill + accept per token through engines.py, us) p50 / p99; host (our part,
+                batch 1: StructuredRuntime.step + accept_rows minus the engine's fill + accept, on
+                the first valid instance, us) p50; wrapper (engines.py's layer: our fill minus the
+                engine library's own fill call on the same state, us) p50.
+
+Prints a table and the totals; ``--json`` writes ``{"files": [...], "totals": {...}}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured import keywords as K
+from neuron_constrain.structured.constraints import ConstraintError, json_schema
+
+
+def load_tokenizer(name: str):
+    if name == "tekken":
+        from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
+
+        return from_mistral(mistral_data_file("tekken_240911.json"))
+    if name == "toy":
+        from neuron_constrain.testing import toy_tokenizer
+
+        return toy_tokenizer()
+    raise SystemExit(f"--tokenizer {name!r}: pick tekken or toy")
+
+
+def _percentile(values, q):
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _raw_fill_seconds(engine, matcher, buffer) -> float:
+    """The engine's own fill call on ``matcher``'s state, without our layer."""
+    start = time.perf_counter()
+    if engine.name == "xgrammar":
+        matcher.fill_next_token_bitmask(buffer, 0)
+    else:
+        matcher.inner.unsafe_compute_mask_ptr(buffer.data_ptr(), buffer.shape[-1] * 4)
+    return time.perf_counter() - start
+
+
+def _host_us(engine, compiled, tokens, buffer) -> list[float]:
+    """Per token: our fill minus the engine's (same state, interleaved), in us."""
+    matcher, out = engine.matcher(compiled), []
+    for token in tokens:
+        raw = _raw_fill_seconds(engine, matcher, buffer)
+        start = time.perf_counter()
+        engine.batch_fill([matcher], buffer, [0])
+        ours = time.perf_counter() - start
+        out.append(max(0.0, ours - raw) * 1e6)
+        if not matcher.accept_token(token):
+            break
+    return out
+
+
+_RUNTIME = []  # one StructuredRuntime per worker process (its compile threads do not survive a fork)
+
+
+def _runtime_host_us(engine, tokenizer, constraint, tokens) -> list[float]:
+    """Per token, batch 1: StructuredRuntime.step + accept_rows minus the engine's fill + accept, in us."""
+    from neuron_constrain.structured.runtime import StructuredRuntime
+
+    if not _RUNTIME:
+        runtime = StructuredRuntime(tokenizer, max_rows=1, engine=engine.name, fill_threads=1, compile_workers=1)
+        runtime.engine = engine  # the worker's engine: its compiled grammars are reused, not recompiled
+        _RUNTIME.append(runtime)
+    runtime, out = _RUNTIME[0], []
+    runtime.add("bench", constraint)
+    try:
+        runtime.wait(["bench"])
+        for token in tokens:
+            runtime.step(["bench"])
+            step = runtime.last_step_seconds - runtime.last_fill_seconds
+            runtime.accept_rows(["bench"], [token])
+            out.append((step + runtime.last_accept_seconds - runtime.last_accept_xgrammar_seconds) * 1e6)
+    finally:
+        runtime.remove("bench")
+    return out
+
+
+def evaluate(engine, tokenizer, path: pathlib.Path, policy: str) -> dict:
+    """One MaskBench file through ``engine``: the record of the module docstring."""
+    data = json.loads(path.read_text())
+    record = {"file": path.name, "status": "compiled", "unenforced": [], "validation_errors": 0,
+              "invalidation_errors": 0, "silent_invalidation_errors": 0, "valid": 0, "invalid": 0,
+              "ttfm_ms": None, "tbm_us_p50": None, "tbm_us_p99": None, "host_us_p50": None, "wrapper_us_p50": None,
+              "error": ""}
+    buffer = torch.zeros((1, engine.width), dtype=torch.int32)
+    start = time.perf_counter()
+    try:
+        compiled = engine.compile(json_schema(data["schema"], strict=False, unenforced=policy))
+    except ConstraintError as error:
+        record["error"] = str(error)[:300]
+        item = getattr(error, "unenforced", None)
+        if item is None:
+            record["status"] = "compile_error"
+            return record
+        record["status"] = "refused"
+        try:  # what the refusal prevented: the same schema, accepted
+            compiled = engine.compile(json_schema(data["schema"], strict=False, unenforced="allow"))
+        except ConstraintError as second:
+            record["unenforced"] = [item.describe()]
+            record["error"] += f" | allowed: {str(second)[:200]}"
+            return record
+    engine.batch_fill([engine.matcher(compiled)], buffer, [0])
+    record["ttfm_ms"] = (time.perf_counter() - start) * 1e3
+    record["unenforced"] = [u.describe() for u in compiled.unenforced]
+    flagged = record["status"] == "refused" or bool(compiled.unenforced)
+    tbm, host, wrapper, failures = [], [], [], []
+    for index, test in enumerate(data.get("tests", [])):
+        text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+        tokens = tokenizer.encode(text)
+        times = []
+        accepted = E.force(engine, compiled, tokens, buffer=buffer, times=times)
+        tbm.extend(t * 1e6 for t, _ in times)
+        if test["valid"]:
+            record["valid"] += 1
+            if not accepted:
+                record["validation_errors"] += 1
+                failures.append(f"valid #{index} rejected: {text[:80]}")
+            elif not host and record["status"] == "compiled":
+                wrapper = _host_us(engine, compiled, tokens, buffer)
+                host = _runtime_host_us(engine, tokenizer, compiled.constraint, tokens)
+        else:
+            record["invalid"] += 1
+            if accepted:
+                record["invalidation_errors"] += 1
+                record["silent_invalidation_errors"] += 0 if flagged else 1
+                failures.append(f"invalid #{index} accepted: {text[:80]}")
+    record["tbm_us_p50"], record["tbm_us_p99"] = _percentile(tbm, 0.5), _percentile(tbm, 0.99)
+    record["host_us_p50"], record["wrapper_us_p50"] = _percentile(host, 0.5), _percentile(wrapper, 0.5)
+    record["failures"] = failures[:6]
+    return record
+
+
+def _worker(connection, engine, tokenizer, policy):
+    while True:
+        path = connection.recv()
+        if path is None:
+            return
+        try:
+            connection.send(evaluate(engine, tokenizer, pathlib.Path(path), policy))
+        except Exception as error:  # one bad file must not end the run
+            connection.send({"file": pathlib.Path(path).name, "status": "compile_error", "unenforced": [],
+                             "error": f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"})
+
+
+class _Pool:
+    """One forked worker (inherits the built engine); killed and re-forked on a timeout."""
+
+    def __init__(self, engine, tokenizer, policy):
+        self.args = (engine, tokenizer, policy)
+        self.process = None
+
+    def run(self, path: pathlib.Path, timeout: float) -> dict | None:
+        if self.process is None:
+            context = multiprocessing.get_context("fork")
+            self.parent, child = context.Pipe()
+            self.process = context.Process(target=_worker, args=(child, *self.args), daemon=True)
+            self.process.start()
+        self.parent.send(str(path))
+        if self.parent.poll(timeout):
+            return self.parent.recv()
+        self.process.kill()
+        self.process.join()
+        self.process = None
+        return None
+
+    def close(self):
+        if self.process is not None:
+            self.parent.send(None)
+            self.process.join(5)
+
+
+def _timed_out(path: pathlib.Path, args) -> dict:
+    """A file whose worker ran past the limit: ``refused`` if the policy refuses it (the limit was hit
+    compiling it with unenforced="allow", to count what the refusal prevented), else ``timeout``."""
+    found = K.find(json.loads(path.read_text())["schema"], args.engine) if args.unenforced == "refuse" else []
+    if found:
+        return {"file": path.name, "status": "refused", "unenforced": [u.describe() for u in found],
+                "error": f"refused; compiling it anyway (unenforced='allow') ran over {args.timeout:.0f} s"}
+    return {"file": path.name, "status": "timeout", "unenforced": [], "error": f"over {args.timeout:.0f} s"}
+
+
+def totals(records: list[dict]) -> dict:
+    count = {s: sum(r["status"] == s for r in records) for s in ("compiled", "refused", "compile_error", "timeout")}
+    valid = sum(r.get("valid", 0) for r in records)
+    compiled = [r for r in records if r["status"] == "compiled"]
+    out = {
+        "files": len(records), **count,
+        "coverage": count["compiled"] / len(records) if records else 0.0,
+        "valid_instances": valid, "invalid_instances": sum(r.get("invalid", 0) for r in records),
+        "validation_errors": sum(r.get("validation_errors", 0) for r in records),
+        "validation_errors_compiled": sum(r.get("validation_errors", 0) for r in compiled),
+        "valid_instances_compiled": sum(r.get("valid", 0) for r in compiled),
+        "invalidation_errors": sum(r.get("invalidation_errors", 0) for r in records),
+        "invalidation_errors_on_refused_or_reported": sum(
+            r.get("invalidation_errors", 0) - r.get("silent_invalidation_errors", 0) for r in records),
+        "silent_invalidation_errors": sum(r.get("silent_invalidation_errors", 0) for r in records),
+        "passing_files": sum(r["status"] == "compiled" and r["validation_errors"] == 0 and r["invalidation_errors"] == 0
+                             for r in records),
+    }
+    for key in ("ttfm_ms", "tbm_us_p50", "host_us_p50", "wrapper_us_p50"):
+        values = [r[key] for r in compiled if r.get(key) is not None]
+        out[f"{key}_median"] = statistics.median(values) if values else None
+    values = [r["tbm_us_p99"] for r in compiled if r.get("tbm_us_p99") is not None]
+    out["tbm_us_p99_median"] = statistics.median(values) if values else None
+    if out["host_us_p50_median"] and out["tbm_us_p50_median"]:
+        out["host_over_tbm_p50"] = out["host_us_p50_median"] / out["tbm_us_p50_median"]
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="folder of MaskBench .json files")
+    parser.add_argument("--engine", required=True, choices=E.ENGINES)
+    parser.add_argument("--tokenizer", default="tekken", choices=("tekken", "toy"))
+    parser.add_argument("--json", help="write the records and totals here")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per file (compile + all instances)")
+    parser.add_argument("--unenforced", default="refuse", choices=("refuse", "allow"), help="the keyword policy")
+    parser.add_argument("--limit", type=int, help="first N files only")
+    args = parser.parse_args(argv)
+    files = sorted(p for p in pathlib.Path(args.data).glob("*.json"))
+    if args.limit:
+        files = files[: args.limit]
+    if not files:
+        raise SystemExit(f"no .json files in {args.data}")
+    wall = time.perf_counter()
+    tokenizer = load_tokenizer(args.tokenizer)
+    engine = E.make_engine(args.engine, tokenizer)
+    pool, records = _Pool(engine, tokenizer, args.unenforced), []
+    print(f"{'file':58} {'status':13} {'val':>4} {'inv':>4} {'ttfm ms':>8} {'tbm p50':>8} {'p99':>8}  unenforced")
+    for path in files:
+        record = pool.run(path, args.timeout) or _timed_out(path, args)
+        records.append(record)
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        print(f"{path.name[:58]:58} {record['status']:13} {record.get('validation_errors', 0):4} "
+              f"{record.get('invalidation_errors', 0):4} {fmt(record.get('ttfm_ms'), '8.1f')} "
+              f"{fmt(record.get('tbm_us_p50'), '8.1f')} {fmt(record.get('tbm_us_p99'), '8.0f')}  "
+              f"{', '.join(record['unenforced'])[:70]}", flush=True)
+    pool.close()
+    summary = totals(records)
+    from importlib.metadata import version
+
+    summary.update(engine=args.engine, tokenizer=args.tokenizer, policy=args.unenforced,
+                   versions={"xgrammar": version("xgrammar"), "llguidance": version("llguidance")},
+                   wall_s=time.perf_counter() - wall)
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        out = pathlib.Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"files": records, "totals": summary}, indent=1))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

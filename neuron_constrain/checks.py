@@ -1,0 +1,332 @@
+"""Invariants of a rewritten program, as data: ``check_program`` returns the failures
+(an empty list: every invariant holds). Used by ``neuron-constrain check`` and the tests.
+
+- torch's verifier accepts the program;
+- every sampling site (or logits output) reads logits that depend on the mask input,
+  and the mask's dtype and width fit those logits;
+- every tap's replacement reaches all readers of the tapped value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+import torch.fx
+from torch.export.graph_signature import OutputKind
+from torch.utils import _pytree as pytree
+
+from neuron_constrain.canonical import keyword_inputs
+from neuron_constrain.errors import TransformError
+from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT
+from neuron_constrain.passes.replacement_tap_pass import INPUT_PREFIX as TAP_PREFIX
+from neuron_constrain.passes.replacement_tap_pass import RANK_INPUT as TAP_RANK_INPUT
+from neuron_constrain.program import OUTPUT_TAG, user_input_names
+from neuron_constrain.kernels import pack_bool_mask
+from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind
+
+__all__ = ["CheckError", "Site", "check_program", "check_taps", "depends_on", "find_sites", "mask_inputs"]
+
+MASK_PATTERN = re.compile(re.escape(MASK_INPUT) + r"(_\d+)?")
+
+
+class CheckError(TransformError):
+    """The program is not one ``check_program`` can verify (e.g. it has no logits)."""
+
+
+@dataclasses.dataclass
+class Site:
+    """A place a token is chosen from logits (or a logits output, when nothing samples them)."""
+
+    node: torch.fx.Node  # the sampling op, or the output value
+    kind: str  # "argmax", "topk", ... or "logits output"
+    logits: torch.fx.Node  # the value it reads
+    root: torch.fx.Node  # the vocabulary projection it reads from
+
+    def describe(self) -> str:
+        where = module_path(self.node) or "<root>"
+        return f"sampling site {self.node.name} ({self.kind}) in {where}"
+
+
+def find_sites(program) -> list[Site]:
+    """Every sampling op along the vocab axis of a projection's logits, found by walking
+    each op's inputs back to a projection of its width (not by the passes' planner);
+    a projection that nothing samples contributes the logits outputs it reaches."""
+    graph = program.graph
+    roots = set(projections(graph))
+    widths = {root: root.meta["val"].shape[-1] for root in roots}
+    sites, sampled = [], set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in SAMPLING_OPS or not node.args:
+            continue
+        value = node.args[0]
+        val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or sampling_kind(node, val.shape[-1]) is None:
+            continue
+        root = _nearest_root(value, roots, widths, val.shape[-1])
+        if root is not None:
+            sites.append(Site(node, sampling_kind(node, val.shape[-1]), value, root))
+            sampled.add(root)
+    outputs = _user_outputs(program)
+    tagged = {n for n in outputs if isinstance(n, torch.fx.Node) and OUTPUT_TAG in n.meta.get("custom", {})}
+    for out in outputs:
+        if not isinstance(out, torch.fx.Node) or out in tagged:
+            continue
+        val = out.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.is_floating_point():
+            continue
+        root = _nearest_root(out, roots, widths, val.shape[-1])
+        if root is not None and root not in sampled and root is max(roots, key=_order(graph).__getitem__):
+            sites.append(Site(out, "logits output", out, root))
+    return sites
+
+
+def _order(graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _user_outputs(program) -> list:
+    output = program.graph.output_node() if hasattr(program.graph, "output_node") else next(
+        n for n in reversed(program.graph.nodes) if n.op == "output")
+    return [o for o, s in zip(output.args[0], program.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+
+
+def _nearest_root(node, roots: set, widths: dict, width: int):
+    """The closest projection of ``width`` columns that ``node`` depends on, or None."""
+    seen, frontier = {node}, [node]
+    while frontier:
+        nxt = []
+        for n in frontier:
+            if n in roots and widths[n] == width:
+                return n
+            for p in n.all_input_nodes:
+                if p not in seen:
+                    seen.add(p)
+                    nxt.append(p)
+        frontier = nxt
+    return None
+
+
+def mask_inputs(program) -> dict[str, torch.fx.Node]:
+    """The program's logit-mask inputs by name (``logit_mask``, ``logit_mask_1``, ...)."""
+    names = set(user_input_names(program))
+    return {
+        n.name: n for n in program.graph.nodes
+        if n.op == "placeholder" and n.name in names and MASK_PATTERN.fullmatch(n.name)
+    }
+
+
+def check_program(program, vocab_size: int | None = None, *, numeric: bool = True) -> list[str]:
+    """Invariants of a rewritten program; returns the failures (empty: all hold).
+
+    Every sampling site (and the logits output of a graph without a sampler) must read
+    logits that depend on a mask input, of a dtype and width that fit; with
+    ``numeric`` the program also runs on its example inputs with a mask allowing one
+    random token per row, and every site must see ``-inf`` (or probability 0) at every
+    other column. ``vocab_size`` is the main head's tokenizer vocabulary.
+    """
+    failures: list[str] = []
+    try:
+        program.validate()
+    except Exception as e:  # the verifier's own message says what is wrong
+        failures.append(f"torch's verifier rejects the program: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+
+    failures += check_taps(program)
+    user_inputs = set(user_input_names(program))
+    masks = mask_inputs(program)
+    if not masks and any(n.startswith(TAP_PREFIX) for n in user_inputs):
+        return failures  # a taps-only rewrite: nothing to say about sampling
+    sites = find_sites(program)
+    if not sites:
+        raise CheckError(
+            "the program has no logits (no vocabulary projection feeding a sampler or an output); "
+            "check verifies decoders rewritten by `neuron-constrain rewrite`"
+        )
+    if not masks:
+        return failures + [
+            f"{site.describe()} is not masked: the program has no {MASK_INPUT!r} input; "
+            "rewrite it with `neuron-constrain rewrite`"
+            for site in sites
+        ]
+    sharded = RANK_INPUT in user_inputs  # one rank's shard of the logits, the full mask
+    widest = max(site.root.meta["val"].shape[-1] for site in sites)
+    if vocab_size is not None and not sharded and vocab_size > widest:
+        raise CheckError(
+            f"the program has no logits {vocab_size} wide (--vocab-size): its widest sampled projection has "
+            f"{widest} columns; pass the tokenizer's vocabulary size, at most the logits' width"
+        )
+    fed_by: dict[str, list[Site]] = {name: [] for name in masks}
+    for site in sites:
+        feeding = [name for name, mask in masks.items() if depends_on(site.logits, mask)]
+        if not feeding:
+            failures.append(
+                f"{site.describe()} reads {site.logits.name}, which does not depend on {' or '.join(masks)}: "
+                "an unconstrained token can be sampled there; rewrite the original program again"
+            )
+        for name in feeding:
+            fed_by[name].append(site)
+    keywords = keyword_inputs(program)
+    for name, mask in masks.items():
+        width = max((s.root.meta["val"].shape[-1] for s in fed_by[name]), default=None)
+        if width is not None:
+            failures += _check_mask_width(name, mask, width, vocab_size if name == MASK_INPUT else None, sharded)
+        if name not in keywords:
+            failures.append(f"{name} is not a keyword input of the program; callers pass it as {name}=")
+    if numeric and not failures and not sharded:
+        failures += _check_numerically(program, masks, sites)
+    return failures
+
+
+def _check_mask_width(name: str, mask, width: int, vocab_size: int | None, sharded: bool) -> list[str]:
+    val = mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 1:
+        return [f"{name} carries no tensor metadata (meta['val']); re-export and rewrite the program"]
+    columns = val.shape[-1]
+    if val.dtype == torch.int32:
+        vocab = vocab_size if vocab_size is not None else width
+        want = math.ceil(vocab / 32)
+        ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= want)
+        if not ok:
+            return [
+                f"{name} is packed int32 with {columns} columns but the logits are {width} wide"
+                + (f" and vocab_size is {vocab_size}" if vocab_size is not None else "")
+                + f": a packed mask needs ceil(V/32) = {want} columns"
+            ]
+    elif val.dtype == torch.bool:
+        want = vocab_size if vocab_size is not None else width
+        ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= width)
+        if not ok:
+            return [
+                f"{name} is bool with {columns} columns but needs {want} (one per token"
+                + ("" if vocab_size is not None else f", at most the logits' width {width}") + ")"
+            ]
+    else:
+        return [f"{name} has dtype {val.dtype}; the pass makes int32 (packed) or bool masks"]
+    return []
+
+
+def _check_numerically(program, masks: dict, sites: list[Site]) -> list[str]:
+    """Run on the example inputs, each mask allowing one random token per row; every
+    site must see only that token (others ``-inf``, or probability 0)."""
+    if program.example_inputs is None:
+        return []
+    args, kwargs = program.example_inputs
+    kwargs = dict(kwargs)
+    generator = torch.Generator().manual_seed(0)
+    for name, mask in masks.items():
+        val = mask.meta["val"]
+        if any(not isinstance(d, int) for d in val.shape):
+            example = kwargs.get(name)
+            if example is None:
+                return []
+            shape = tuple(example.shape)
+        else:
+            shape = tuple(val.shape)
+        columns = shape[-1] * 32 if val.dtype == torch.int32 else shape[-1]
+        widths = [s.root.meta["val"].shape[-1] for s in sites if depends_on(s.logits, mask)] or [columns]
+        safe = 32 * (shape[-1] - 1) + 1 if val.dtype == torch.int32 else columns  # below any vocab of this width
+        tokens = torch.randint(0, min(safe, *widths), shape[:-1], generator=generator)
+        bits = torch.nn.functional.one_hot(tokens, columns).bool()
+        kwargs[name] = pack_bool_mask(bits) if val.dtype == torch.int32 else bits
+    seen: dict[str, torch.Tensor] = {}
+    wanted = {s.logits.name for s in sites}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            if n.name in wanted and isinstance(result, torch.Tensor):
+                seen[n.name] = result.detach()
+            return result
+
+    try:
+        module = program.module()
+        flat = pytree.tree_leaves((args, {k: kwargs[k] for k in _kwarg_order(program, kwargs)}))
+        with torch.no_grad():
+            Recorder(module).run(*flat)
+    except Exception as e:  # the program does not run on its own example inputs: say so, do not guess
+        return [f"the program does not run on its example inputs with one-token masks ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); re-export it"]
+    failures = []
+    for site in sites:
+        value = seen.get(site.logits.name)
+        feeding = [n for n, m in masks.items() if depends_on(site.logits, m)]
+        if value is None or not feeding:
+            continue
+        rows = value.reshape(-1, value.shape[-1]).float()
+        # Sampling paths sort and gather, so count per row instead of reading column t:
+        # one allowed token leaves exactly one value that is not -inf (probability 0).
+        nonneg = bool((rows >= 0).all())
+        alive = (rows != 0.0) if nonneg else (rows != float("-inf"))
+        leaked = int((alive.sum(-1) > 1).sum())
+        if leaked:
+            failures.append(
+                f"{site.describe()} sees more than one candidate token in {leaked} of {rows.shape[0]} row(s) when "
+                f"{feeding[0]} allows exactly one per row: the mask does not reach it; rewrite the original program again"
+            )
+    return failures
+
+
+def _kwarg_order(program, kwargs: dict) -> list[str]:
+    in_spec = program.call_spec.in_spec
+    _, spec_kwargs = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)
+    return [k for k in spec_kwargs if k in kwargs]
+
+
+def check_taps(program) -> list[str]:
+    """Every tap input pair feeds a ``where(enabled, replacement, computed)`` that all
+    readers of the computed value go through (capture outputs excepted)."""
+    user_inputs = user_input_names(program)
+    nodes = {n.name: n for n in program.graph.nodes}
+    failures = []
+    for name in user_inputs:
+        if not name.startswith(TAP_PREFIX) or name.endswith("_enabled") or name == TAP_RANK_INPUT:
+            continue
+        enabled = nodes.get(name + "_enabled")
+        if enabled is None:
+            failures.append(f"tap input {name} has no {name}_enabled flag: rows cannot be switched; rewrite again")
+            continue
+        val = enabled.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+            failures.append(f"{name}_enabled must be a bool tensor over the tapped value's rows")
+        wheres = [
+            n for n in wheres_fed_by(enabled)
+            if depends_on(n.args[0], enabled) and depends_on(n.args[1], nodes[name])
+        ]
+        if not wheres:
+            failures.append(f"tap {name}: no where({name}_enabled, {name}, computed) node; the replacement is never used")
+            continue
+        computed = wheres[0].args[2]
+        bypass = [u.name for u in computed.users if u is not wheres[0] and u.op != "output"]
+        if bypass:
+            failures.append(
+                f"tap {name}: {', '.join(bypass)} read{'s' if len(bypass) == 1 else ''} {computed.name} directly, "
+                "bypassing the tap: a replacement would not reach them; rewrite the original program again"
+            )
+    return failures
+
+
+def wheres_fed_by(source) -> list:
+    """The ``where`` nodes ``source`` reaches through non-``where`` nodes: a tap's own
+    select, found without walking the whole graph once per tap."""
+    found, seen, stack = [], set(), [source]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            (found if user.target is torch.ops.aten.where.self else stack).append(user)
+    return found
+
+
+def depends_on(node, source) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False

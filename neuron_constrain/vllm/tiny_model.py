@@ -1,0 +1,91 @@
+"""The embedded default model for ``make serve`` and the vLLM tests: a tiny random-weight
+Llama with the real Mistral 7B v0.1 sentencepiece tokenizer (shipped in ``mistral_common``),
+built locally with ``save_pretrained`` — nothing is downloaded.
+
+    python -m neuron_constrain.vllm.tiny_model build/tiny-llama   # prints the directory
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+# ChatML-style template; tool calls follow the Hermes format that vLLM's `hermes`
+# parser reads (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Answer a call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] }}}</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CONFIG = dict(
+    vocab_size=32002,   # Mistral's 32000 pieces + <tool_call>, </tool_call>
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,      # head_dim 32: the CPU attention backend needs >= 32
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+STAMP = "neuron_constrain_tiny_model.json"
+
+
+def tokenizer_file() -> str:
+    import mistral_common
+
+    path = pathlib.Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: install mistral-common (the vllm extra pins it)")
+    return str(path)
+
+
+def build(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    """Write the model and tokenizer into ``directory`` unless already there; return it."""
+    out = pathlib.Path(directory)
+    if (out / STAMP).exists():
+        return str(out)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / "_tokenizer_src"
+    staging.mkdir(exist_ok=True)
+    # LlamaTokenizer(vocab_file=...) yields a 3-token vocabulary on transformers 5;
+    # from_pretrained on a folder holding tokenizer.model converts the real one.
+    shutil.copy(tokenizer_file(), staging / "tokenizer.model")
+    tokenizer = LlamaTokenizer.from_pretrained(str(staging))
+    # Hermes-style tool-call delimiters as single special tokens (vLLM's hermes parser reads them)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    if len(tokenizer) != CONFIG["vocab_size"]:
+        raise RuntimeError(f"the Mistral tokenizer loaded with {len(tokenizer)} tokens, expected {CONFIG['vocab_size']}")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    shutil.rmtree(staging)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**CONFIG, dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits than the default init: fewer near-ties, more varied greedy text
+        model.lm_head.weight.normal_(0.0, 0.5)
+    model.save_pretrained(str(out))
+    (out / STAMP).write_text(json.dumps({"seed": seed, **CONFIG}))
+    return str(out)
+
+
+if __name__ == "__main__":
+    print(build(sys.argv[1] if len(sys.argv) > 1 else "build/tiny-llama"))

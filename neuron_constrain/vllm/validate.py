@@ -1,0 +1,69 @@
+"""Per-request admission check, run by vLLM's frontend before the engine sees a request.
+
+Registered as a vLLM logits processor (``--logits-processors
+neuron_constrain.vllm.validate:RequestValidator``) only for its ``validate_params``
+hook, which vLLM calls for every request at admission: a ``VLLMValidationError``
+becomes an HTTP 400 naming the parameter, for that request alone. The worker never
+raises for a request's parameters (an exception there stops the engine for all).
+The processor itself does nothing to logits (the plugin's head samples every token).
+"""
+from __future__ import annotations
+
+import torch
+
+from neuron_constrain.vllm import MAX_BIAS_TOKENS, MAX_STOP_TOKENS, MAX_TOP_K, check_vllm_version
+
+check_vllm_version()
+
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
+
+
+def _refuse(parameter: str, value, why: str):
+    raise VLLMValidationError(
+        f"neuron_constrain's vLLM plugin cannot serve {parameter}={value!r}: {why}", parameter=parameter, value=value
+    )
+
+
+def check_request(params) -> None:
+    """Raise ``VLLMValidationError`` for sampling parameters the head cannot do."""
+    if params.logprobs is not None:
+        _refuse("logprobs", params.logprobs, "it returns no logprobs (the head program returns tokens only)")
+    if params.prompt_logprobs is not None:
+        _refuse("prompt_logprobs", params.prompt_logprobs, "it returns no logprobs")
+    if getattr(params, "logprob_token_ids", None):
+        _refuse("logprob_token_ids", params.logprob_token_ids, "it returns no logprobs")
+    if params.allowed_token_ids:
+        _refuse("allowed_token_ids", "[...]", "not fed to the head (use a choice or regex constraint)")
+    if params.bad_words:
+        _refuse("bad_words", params.bad_words, "not fed to the head (use a regex or grammar constraint)")
+    if getattr(params, "thinking_token_budget", None) is not None:
+        _refuse("thinking_token_budget", params.thinking_token_budget, "not fed to the head")
+    if params.top_k is not None and params.top_k > MAX_TOP_K:
+        _refuse("top_k", params.top_k, f"the head samples among at most {MAX_TOP_K} candidates; use top_k <= "
+                f"{MAX_TOP_K} or -1")
+    if params.logit_bias and len(params.logit_bias) > MAX_BIAS_TOKENS:
+        _refuse("logit_bias", f"{len(params.logit_bias)} entries", f"at most {MAX_BIAS_TOKENS} per request")
+    if params.min_tokens and len(params.stop_token_ids or ()) > MAX_STOP_TOKENS - 4:
+        _refuse("stop_token_ids", f"{len(params.stop_token_ids)} ids",
+                f"with min_tokens at most {MAX_STOP_TOKENS - 4} stop token ids (EOS ids are added)")
+
+
+class RequestValidator(LogitsProcessor):
+    """A no-op vLLM logits processor whose ``validate_params`` is :func:`check_request`."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        check_request(sampling_params)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

@@ -1,0 +1,244 @@
+"""Both grammar engines behind one mask contract, on the real Tekken tokenizer (131072 ids):
+every constraint kind through ``generate``, masks compared row by row, speculative rows,
+finished requests, errors, and the EBNF -> Lark conversion for llguidance."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
+from neuron_constrain.testing import GreedyStep, tiny_decoder, weather_tool
+
+BATCH = torch.export.Dim("batch")
+WEATHER = weather_tool(8)
+GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x" | "\\u00e9"'
+
+
+@pytest.fixture(scope="module")
+def model(tekken):
+    step = GreedyStep(tiny_decoder("llama", vocab_size=tekken.vocab_size, hidden_size=32, layers=1, seed=3))
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    return S.transform_decoder(step, (ids,), vocab_size=tekken.vocab_size, dynamic_shapes=({0: BATCH},))
+
+
+def _prefix_ok(xgrammar_engine, constraint, tekken, tokens) -> bool:
+    """The tokens are a prefix of some output of ``constraint``: a fresh xgrammar matcher takes each
+    one and its mask allows it (xgrammar allows any tokenization; llguidance would refuse a
+    non-canonical tokenization of forced text, so it is not the judge of xgrammar's outputs)."""
+    return E.force(xgrammar_engine, xgrammar_engine.compile(constraint), tokens, stop=False)
+
+
+def _all_kinds(tekken):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+              "maximum": 99}, "tag": {"enum": ["a", "b"]}}, "required": ["ok", "n", "tag"], "additionalProperties": False}
+    return [
+        S.json_schema(schema),
+        S.any_json(),
+        S.regex(r"[a-z]{2,5}@[a-z]{2,4}\.com"),
+        S.choice(["yes", "no", 'say "hi"', "café"]),
+        S.ebnf(GRAMMAR),
+        S.tool_constraint([WEATHER], "required"),
+        S.tool_constraint([WEATHER], {"type": "function", "function": {"name": "get_weather"}}),
+        *(S.tool_constraint([WEATHER], "required", format=f, tokenizer=tekken) for f in ("mistral", "hermes", "llama3")),
+    ]
+
+
+@pytest.mark.parametrize("engine", E.ENGINES)
+def test_every_kind_through_generate(model, tekken, engines, engine):
+    constraints = _all_kinds(tekken)
+    runtime = S.StructuredRuntime.for_model(model, tekken, max_rows=len(constraints), engine=engine)
+    try:
+        result = S.generate(model, ["answer:"] * len(constraints), constraints, 32, tokenizer=tekken, runtime=runtime)
+    finally:
+        runtime.close()
+    finished = 0
+    for constraint, out in zip(constraints, result.outputs):
+        assert out.finish_reason in ("stop", "length"), (constraint.describe(), out.error)
+        named = {tekken.eos_id, tekken.control_token("[TOOL_CALLS]")}  # control tokens a grammar may name
+        assert not any(t in tekken.special_ids and t not in named for t in out.tokens), out.tokens
+        if out.finish_reason == "stop":
+            finished += 1
+            assert S.validate_output(constraint, out.text) is None, (engine, constraint.describe(), out.text)
+        else:  # a valid prefix
+            assert _prefix_ok(engines["xgrammar"], constraint, tekken, out.tokens), (engine, constraint.describe(), out.text)
+    assert finished >= 3, [(o.finish_reason, o.text) for o in result.outputs]
+
+
+# Schemas where neither engine forces text: llguidance tokenizes forced text canonically
+# (after `{` with a required key it allows only `{"`), xgrammar allows every tokenization.
+AGREE = [
+    ({"type": "array", "items": {"type": "number"}}, [1.5, -0.25, 3e5, 7]),
+    ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 300}, "maxItems": 4}, [0, 250, 17]),
+    ({"enum": ["red", "green", "blue", 3, None, True]}, "green"),
+    ({"type": "string", "pattern": "^[a-z]{2,4}-[0-9]+$"}, "ab-12"),
+    ({"type": "array", "items": {"type": "boolean"}, "maxItems": 3}, [True, False]),
+    ({"type": "boolean"}, False),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}, {"type": "array", "items": {"type": "number"}}]}, [2.5]),
+    ({"type": ["integer", "null"]}, 42),
+]
+
+
+@pytest.mark.parametrize("schema, instance", AGREE, ids=[json.dumps(s)[:40] for s, _ in AGREE])
+def test_engines_masks_agree_row_by_row(tekken, engines, schema, instance):
+    constraint = S.json_schema(schema)
+    matchers = {n: e.matcher(e.compile(constraint)) for n, e in engines.items()}
+    buffers = {n: torch.zeros((2, e.width), dtype=torch.int32) for n, e in engines.items()}
+    tokens = tekken.encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False)) + [tekken.eos_id]
+    for step, token in enumerate(tokens):
+        for name, engine in engines.items():
+            engine.batch_fill([matchers[name]], buffers[name], [1])
+        x, g = buffers["xgrammar"][1], buffers["llguidance"][1]
+        assert torch.equal(x, g), (step, tekken.decode(tokens[:step]), int((x != g).sum()))
+        assert all(m.accept_token(token) for m in matchers.values()), step
+    assert all(m.is_terminated() for m in matchers.values())
+
+
+@pytest.mark.parametrize("constraint", [
+    S.regex(r"(19|20)[0-9]{2}-[01][0-9]"), S.choice(["red", "green", "blue"]), S.ebnf('root ::= [0-9]+ ("." [0-9]+)?'),
+], ids=["regex", "choice", "ebnf"])
+def test_regex_choice_ebnf_masks_agree(tekken, engines, constraint):
+    text = {"regex": "2024-07", "choice": "green", "ebnf": "12.5"}[constraint.kind]
+    matchers = {n: e.matcher(e.compile(constraint)) for n, e in engines.items()}
+    buffers = {n: torch.zeros((1, e.width), dtype=torch.int32) for n, e in engines.items()}
+    for step, token in enumerate(tekken.encode(text) + [tekken.eos_id]):
+        for name, engine in engines.items():
+            engine.batch_fill([matchers[name]], buffers[name], [0])
+        assert torch.equal(buffers["xgrammar"], buffers["llguidance"]), (constraint.kind, step)
+        assert all(m.accept_token(token) for m in matchers.values())
+
+
+def test_speculative_rows_and_finished_are_the_same(model, tekken):
+    """Draft rows (fill, accept draft, fill, roll back), a refused draft, a drafted stop token,
+    and a finished request's stop-only rows: the same buffer from both engines."""
+    constraint = S.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 3})
+    text = tekken.encode("[1,22]")
+    bad = tekken.encode("x")[0]
+    rows = {}
+    for engine in E.ENGINES:
+        runtime = S.StructuredRuntime.for_model(model, tekken, max_rows=12, engine=engine)
+        try:
+            runtime.add("a", constraint)
+            runtime.add("b", constraint)
+            runtime.wait(["a", "b"])
+            first = runtime.step(["a", "b"], drafts={"a": text[:3], "b": [text[0], bad, text[1]]}).clone()
+            assert runtime.accept("a", text) is False           # drafts + bonus accepted, not finished
+            assert runtime.accept("a", [tekken.eos_id]) is True  # stop token: finished
+            second = runtime.step(["a", "b"], drafts={"b": text[:2]}).clone()
+            runtime.accept("b", text)
+            third = runtime.step(["b"], drafts={"b": [tekken.eos_id, text[0]]}).clone()
+            with pytest.raises(S.DisallowedTokenError):
+                runtime.accept("a", [text[0]])                   # finished: only stop tokens
+            assert runtime.finished("a") and not runtime.finished("b")
+        finally:
+            runtime.close()
+        rows[engine] = (first, second, third)
+    for x, g in zip(rows["xgrammar"], rows["llguidance"]):
+        assert torch.equal(x, g)
+    first, second, third = rows["xgrammar"]
+    stop_only = first.new_zeros(first.shape[1])
+    stop_only[tekken.eos_id // 32] = 1 << (tekken.eos_id % 32)
+    assert torch.equal(second[0], stop_only)                 # finished request: stop only
+    assert torch.equal(first[5], first[6])                    # past a refused draft: the refusing row repeats
+    assert torch.equal(third[1], stop_only)                   # after a drafted stop token
+
+
+def test_matcher_contract_after_stop_token(tekken, engines):
+    """Accepting a stop token terminates; rollback(1) undoes it; a refused token leaves no trace."""
+    for name, engine in engines.items():
+        matcher = engine.matcher(engine.compile(S.regex("[0-9]+")))
+        assert not matcher.accept_token(tekken.encode("x")[0]), name
+        for token in tekken.encode("12"):
+            assert matcher.accept_token(token), name
+        assert not matcher.is_terminated()
+        assert matcher.accept_token(tekken.eos_id) and matcher.is_terminated(), name
+        matcher.rollback(1)
+        assert not matcher.is_terminated()
+        assert matcher.accept_token(tekken.encode("3")[0]), name   # the grammar goes on from "12"
+        choice = engine.matcher(engine.compile(S.choice(["ok"])))   # llguidance stops before EOS here
+        assert choice.accept_token(tekken.encode("ok")[0])
+        assert choice.accept_token(tekken.eos_id) and choice.is_terminated()
+        choice.rollback(2)
+        assert not choice.is_terminated() and choice.accept_token(tekken.encode("ok")[0]), name
+
+
+@pytest.mark.parametrize("engine", E.ENGINES)
+def test_errors_are_one_clean_line(engines, engine):
+    for bad in (S.regex("(unclosed"), S.json_schema({"$ref": "#/definitions/missing"}), S.ebnf("root ::= (")):
+        with pytest.raises(S.ConstraintError) as info:
+            engines[engine].compile(bad)
+        message = str(info.value)
+        assert "\n" not in message and engine in message, message
+    with pytest.raises(ValueError, match="pick one of xgrammar, llguidance"):
+        E.make_engine("outlines", None)
+
+
+def test_ebnf_lookaheads_dropped_and_builtins_refused_on_llguidance(tekken, engines):
+    grammar = S.ebnf('root ::= item "b"\nitem ::= "a"+ (="b")')
+    compiled = {n: e.compile(grammar) for n, e in engines.items()}
+    for text in ("ab", "aaab", "b", "aa"):
+        verdicts = {n: E.force(e, compiled[n], tekken.encode(text)) for n, e in engines.items()}
+        assert verdicts["xgrammar"] == verdicts["llguidance"] == (text in ("ab", "aaab")), (text, verdicts)
+    with pytest.raises(S.ConstraintError, match="not defined.*engine='xgrammar'"):
+        engines["llguidance"].compile(S.ebnf("root ::= basic_string"))
+    with pytest.raises(S.ConstraintError, match="engine='xgrammar'"):
+        engines["llguidance"].compile(S.ebnf('root ::= TagDispatch(("<a>", r))\nr ::= "x"'))
+
+
+EBNF_CASES = [
+    (GRAMMAR, ["(1,x,é)", "(x)", "(1,", "()", "(12)"]),
+    ('root ::= ("a" | "a" "b") "b"', ["ab", "abb", "abbb", "b"]),  # needs context-free, not greedy, lexing
+    ('root ::= [a-c\\-]{2,3} "@" [^\\n"]* # comment\n', ["ab@", "-c@xy z", "a@", 'ab@"']),
+    ('root ::= obj\nobj ::= "{" ws (pair ("," ws pair)*)? "}"\npair ::= [a-z]+ ":" [0-9]+ ws\nws ::= [ \\t]*',
+     ["{}", "{ a:1 ,b:22}", "{a:}", "{a:1,}"]),
+    ('root ::= "\\x41" [\\u0061-\\u0063]+ "\\t"?', ["Aab", "Aab\t", "A", "Ad"]),
+]
+
+
+@pytest.mark.parametrize("grammar, texts", EBNF_CASES, ids=range(len(EBNF_CASES)))
+def test_ebnf_to_lark_accepts_exactly_what_xgrammar_accepts(tekken, engines, grammar, texts):
+    constraint = S.ebnf(grammar)
+    compiled = {n: e.compile(constraint) for n, e in engines.items()}
+    for text in texts:
+        verdicts = {n: E.force(e, compiled[n], tekken.encode(text)) for n, e in engines.items()}
+        assert verdicts["xgrammar"] == verdicts["llguidance"], (text, verdicts, E.ebnf_to_lark(grammar))
+    assert any(E.force(engines["xgrammar"], compiled["xgrammar"], tekken.encode(t)) for t in texts)
+
+
+def test_lark_conversion_names_rules_and_refuses_duplicates():
+    lark = E.ebnf_to_lark('root ::= item-x+\nitem-x ::= "a" [b-c]')
+    assert lark.splitlines() == ["start: r_item_x_1 +", 'r_item_x_1: ("a") /[\\x{62}-\\x{63}]/']
+    with pytest.raises(S.ConstraintError, match="defined twice"):
+        E.ebnf_to_lark('root ::= "a"\nroot ::= "b"')
+
+
+def test_llguidance_needs_the_tokenizer_not_a_bare_info(tekken):
+    with pytest.raises(ValueError, match="needs the tokenizer itself"):
+        S.StructuredRuntime(tekken.info, max_rows=1, engine="llguidance")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model.v1", "mistral_instruct_tokenizer_240323.model.v3"])
+def test_llguidance_forces_text_without_sentencepiece_dummy_prefix(name):
+    """After "f" a boolean must go on "alse": llguidance forces the canonical tokens of that
+    text, which a sentencepiece encode would start with a dummy-prefix space (" al" "se")."""
+    tok = from_mistral(mistral_data_file(name))
+    step = GreedyStep(tiny_decoder("llama", vocab_size=tok.vocab_size, hidden_size=32, layers=1, seed=3))
+    model = S.transform_decoder(step, (torch.zeros(2, 6, dtype=torch.long),), vocab_size=tok.vocab_size,
+                                dynamic_shapes=({0: BATCH},))
+    engine = E.make_engine("llguidance", tok)
+    matcher = engine.matcher(engine.compile(S.json_schema({"type": "boolean"})))
+    assert matcher.accept_token(tok.encode("\nf")[-1])  # the piece "f", no leading space
+    buffer = torch.zeros((1, engine.width), dtype=torch.int32)
+    engine.batch_fill([matcher], buffer, [0])
+    from neuron_constrain.kernels import unpack_bitmask
+
+    allowed = unpack_bitmask(buffer, tok.vocab_size)[0].nonzero().flatten().tolist()
+    assert allowed and all(tok.info.decoded_vocab[i] in (b"a", b"al", b"als", b"alse") for i in allowed), \
+        [tok.info.decoded_vocab[i] for i in allowed]
+    result = S.generate(model, ["Answer:", "Pick:"], [S.json_schema({"type": "boolean"}), S.choice(["yes", "no"])],
+                        8, tokenizer=tok, engine="llguidance")
+    assert [o.finish_reason for o in result.outputs] == ["stop", "stop"]
+    assert result.outputs[0].text in ("true", "false") and result.outputs[1].text in ("yes", "no")

@@ -1,0 +1,207 @@
+"""Never silently wrong: every keyword an engine does not enforce is refused by default and,
+when accepted, listed on the result with the output validated; the table is checked against
+the engines on every run (each rule's probe), and a MaskBench sample has 0 silent
+invalidation errors on both engines."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured import keywords as K
+
+MASKBENCH = pathlib.Path(__file__).parent / "data" / "maskbench"
+WINDOW = 48  # the copy decoder echoes the token WINDOW positions back
+
+# keyword -> (schema, an instance that breaks only that keyword, a valid instance)
+PROBES = {
+    "patternProperties": ({"type": "object", "properties": {"k": {"type": "boolean"}},
+                           "patternProperties": {".*": {"type": "boolean"}}}, {"k": True, "z": "s"}, {"k": True}),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 5, 2.5),
+    "allOf": ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, 7, 4),
+    "type": ({"type": "string", "anyOf": [{"maxLength": 2}, {"pattern": "^a"}]}, 5, "ab"),
+    "required": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+                 {"a": 1}, {"a": 1, "b": 2}),
+    "minLength": ({"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "ab", "abcdef"),
+    "maxLength": ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcdef", "ab"),
+    "$ref": ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "abcd", "ab"),
+    "format": ({"type": "string", "format": "regex"}, "(", "a+"),
+    "not": ({"type": "integer", "not": {"const": 3}}, 3, 4),
+    "if": ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, {"a": 1}, {"a": 1, "b": 2}),
+    "dependencies": ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                      "dependencies": {"a": ["b"]}}, {"a": 1}, {"a": 1, "b": 2}),
+    "dependentRequired": ({"type": "object", "dependentRequired": {"a": ["b"]}}, {"a": 1}, {"a": 1, "b": 2}),
+    "dependentSchemas": ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1},
+                         {"a": 1, "b": 2}),
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], [1, 2]),
+    "contains": ({"type": "array", "contains": {"const": 5}}, [1, 2], [5]),
+    "unevaluatedProperties": ({"type": "object", "properties": {"a": {"type": "integer"}},
+                               "unevaluatedProperties": False}, {"a": 1, "b": 2}, {"a": 1}),
+    "propertyNames": ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, {"A1": 1}, {"ab": 1}),
+}
+# llguidance refuses these itself (its "Unimplemented keys" / overlapping oneOf): same policy.
+LLGUIDANCE_REPORTED = ["oneOf", "not", "if", "dependencies", "dependentRequired", "dependentSchemas",
+                       "uniqueItems", "contains", "unevaluatedProperties", "propertyNames"]
+CASES = [("xgrammar", r.keyword) for r in K.UNENFORCED["xgrammar"]] + \
+        [("llguidance", r.keyword) for r in K.UNENFORCED["llguidance"]] + \
+        [("llguidance", k) for k in LLGUIDANCE_REPORTED]
+
+
+def _compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class CopyDecoder(torch.nn.Module):
+    """A decoder that emits the token ``WINDOW`` positions back, so the prompt is the script.
+
+    Its lm_head is a real projection (3 -> V): logits_j = -(j - t)^2 from the hidden state
+    [1, t, t^2] (float64: exact at V = 131072), so the mask pass finds it like any lm_head.
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        j = torch.arange(vocab_size, dtype=torch.float64)
+        self.lm_head = torch.nn.Linear(3, vocab_size, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.stack([-j * j, 2 * j, -torch.ones_like(j)], dim=1))
+
+    def forward(self, ids):
+        t = ids[:, -WINDOW].to(torch.float64)
+        hidden = torch.stack([torch.ones_like(t), t, t * t], dim=-1)
+        return self.lm_head(hidden).argmax(-1)
+
+
+@pytest.fixture(scope="module")
+def copy_model(tekken):
+    ids = torch.zeros(2, WINDOW + 2, dtype=torch.long)
+    dims = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", min=WINDOW, max=4 * WINDOW)},)
+    return S.transform_decoder(CopyDecoder(tekken.vocab_size), (ids,), vocab_size=tekken.vocab_size, dynamic_shapes=dims)
+
+
+def _script(tekken, text: str) -> list[int]:
+    tokens = tekken.encode(text) + [tekken.eos_id]
+    assert len(tokens) <= WINDOW
+    return tokens + [tekken.eos_id] * (WINDOW - len(tokens))
+
+
+def test_every_rule_has_a_probe_and_evidence():
+    for engine, rules in K.UNENFORCED.items():
+        for rule in rules:
+            assert rule.keyword in PROBES, (engine, rule.keyword)
+            assert rule.evidence and rule.when, (engine, rule.keyword)
+            schema = PROBES[rule.keyword][0]
+            assert any(u.keyword == rule.keyword for u in K.find(schema, engine)), (engine, rule.keyword)
+
+
+@pytest.mark.parametrize("engine, keyword", CASES, ids=[f"{e}-{k}" for e, k in CASES])
+def test_policy_refuses_by_default_names_keyword_path_and_fix(engines, engine, keyword):
+    schema = PROBES[keyword][0]
+    with pytest.raises(S.ConstraintError) as info:
+        engines[engine].compile(S.json_schema(schema, strict=False))
+    message = str(info.value)
+    item = info.value.unenforced
+    assert item.keyword == keyword and item.path.startswith("#") and item.path.endswith(keyword.replace("/", "~1"))
+    assert f"`{keyword}` at {item.path}" in message and "unenforced='allow'" in message and "\n" not in message
+    for other in item.enforced_by:  # the engine it names does enforce it: its probe's invalid instance is refused
+        assert other in message
+        compiled = engines[other].compile(S.json_schema(schema, strict=False))
+        assert not compiled.unenforced
+        assert not E.force(engines[other], compiled, engines[other].tokenizer.encode(_compact(PROBES[keyword][1])))
+
+
+@pytest.mark.parametrize("engine, keyword", CASES, ids=[f"{e}-{k}" for e, k in CASES])
+def test_allowed_keyword_is_reported_and_the_output_post_validated(copy_model, tekken, engine, keyword):
+    """Through generate(): the engine really lets the invalid instance through (the table is not
+    stale), the result lists the keyword, and the violation is reported, never passed as valid;
+    the valid instance comes back clean. The default refuses the request with the same message."""
+    schema, invalid, valid = PROBES[keyword]
+    allow = S.json_schema(schema, strict=False, unenforced="allow")
+    prompts = [_script(tekken, _compact(invalid)), _script(tekken, _compact(valid))]
+    result = S.generate(copy_model, prompts, [allow, allow], WINDOW, tokenizer=tekken, engine=engine)
+    bad, good = result.outputs
+    assert bad.finish_reason == "stop" and bad.text == _compact(invalid), (bad.finish_reason, bad.text, bad.error)
+    assert any(u.startswith(f"{keyword} at #") for u in bad.unenforced), bad.unenforced
+    assert bad.violation is not None and "schema violation" in bad.violation, bad.violation
+    assert good.finish_reason == "stop" and good.text == _compact(valid) and good.violation is None
+    refused = S.generate(copy_model, prompts[:1], [S.json_schema(schema, strict=False)], WINDOW, tokenizer=tekken,
+                         engine=engine).outputs[0]
+    assert refused.finish_reason == "error" and f"`{keyword}` at #" in refused.error and not refused.tokens
+
+
+def test_formats_outside_the_standard_are_annotations_not_refusals(engines, tekken):
+    schema = {"type": "object", "properties": {"t": {"type": "string", "format": "flag-topic"}}, "required": ["t"]}
+    for name, engine in engines.items():
+        compiled = engine.compile(S.json_schema(schema, strict=False))
+        assert not compiled.unenforced
+        assert E.force(engine, compiled, tekken.encode('{"t":"anything"}')), name
+    assert K.post_validate(schema, '{"t":"anything"}') is None
+
+
+def test_post_validate_uses_the_declared_draft():
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "number", "minimum": 5,
+              "exclusiveMinimum": True}
+    assert K.post_validate(draft4, "5") is not None and K.post_validate(draft4, "6") is None
+    assert "format" in K.post_validate({"type": "string", "format": "ipv4"}, '"1.2.3"')
+    assert K.post_validate({"type": "integer"}, "{") .startswith("not JSON")
+
+
+def _maskbench_files():
+    files = sorted(MASKBENCH.glob("*.json"))
+    assert len(files) >= 50, f"tests/data/maskbench has {len(files)} files; it should vendor at least 50"
+    return files
+
+
+@pytest.fixture(scope="module")
+def maskbench(tekken, engines):
+    """Every vendored file through both engines with the default policy: compiled once per session."""
+    records = {name: [] for name in engines}
+    for path in _maskbench_files():
+        data = json.loads(path.read_text())
+        for name, engine in engines.items():
+            record = {"file": path.name, "status": "compiled", "valid_errors": 0, "invalid_accepted": 0,
+                      "flagged": False}
+            try:
+                compiled = engine.compile(S.json_schema(data["schema"], strict=False))
+                record["flagged"] = bool(compiled.unenforced)
+            except S.ConstraintError as error:
+                if getattr(error, "unenforced", None) is None:
+                    record["status"] = "compile_error"
+                    records[name].append(record)
+                    continue
+                record["status"], record["flagged"] = "refused", True
+                try:  # what the refusal prevented: the same schema, accepted
+                    compiled = engine.compile(S.json_schema(data["schema"], strict=False, unenforced="allow"))
+                except S.ConstraintError:
+                    records[name].append(record)
+                    continue
+            for test in data["tests"]:
+                accepted = E.force(engine, compiled, tekken.encode(_compact(test["data"])))
+                if test["valid"] and not accepted and record["status"] == "compiled":
+                    record["valid_errors"] += 1
+                if not test["valid"] and accepted:
+                    record["invalid_accepted"] += 1
+            records[name].append(record)
+    return records
+
+
+@pytest.mark.parametrize("engine", E.ENGINES)
+def test_maskbench_sample_has_no_silent_invalidation_errors(maskbench, engine):
+    records = maskbench[engine]
+    silent = [(r["file"], r["invalid_accepted"]) for r in records if r["invalid_accepted"] and not r["flagged"]]
+    assert not silent, f"{engine} accepted invalid instances of schemas it neither refused nor reported: {silent}"
+    caught = sum(r["invalid_accepted"] for r in records if r["flagged"])
+    compiled = [r for r in records if r["status"] == "compiled"]
+    assert len(compiled) >= 0.6 * len(records), (engine, len(compiled), len(records))
+    print(f"{engine}: {len(compiled)}/{len(records)} compiled, {caught} invalidation errors on refused/reported "
+          f"schemas, {sum(r['valid_errors'] for r in compiled)} validation errors")
+
+
+def test_the_sample_exercises_the_table(maskbench):
+    """The vendored sample holds the measured evidence: xgrammar's refusals catch real invalid instances."""
+    refused = [r for r in maskbench["xgrammar"] if r["status"] == "refused"]
+    assert sum(r["invalid_accepted"] for r in refused) >= 3, refused
+    assert any(r["status"] == "refused" for r in maskbench["llguidance"])

@@ -1,0 +1,209 @@
+"""The pipelined step: the body runs (worker thread / XLA async dispatch) while the
+host fills the grammar masks, then the head. Token-identical to the serial step over
+a static-cache decode with real xgrammar fills, on CPU eager and torch-xla (one
+compilation per half); a pipelined ``generate`` equals the serial one token for token;
+the worker's thread budget is its own; errors in the body or the fill surface as
+themselves, and a hung body times out (bounded waits, never a hang)."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+import neuron_constrain as nc
+from neuron_constrain import structured as S
+from neuron_constrain.pipeline import PipelinedStep, PipelineTimeout, split_step
+from neuron_constrain.structured.runtime import StructuredRuntime
+from neuron_constrain.testing import CachedGreedyStep, GreedyStep, tiny_decoder, toy_tokenizer
+from test_split import fresh
+
+BATCH, MODEL_VOCAB = 4, 768
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def cached(vocab):
+    model = tiny_decoder("llama", vocab_size=MODEL_VOCAB, seed=3)
+    step = CachedGreedyStep(model, batch_size=BATCH, max_cache_len=32)
+    return nc.transform(step, step.example_inputs(vocab.vocab_size), vocab_size=vocab.vocab_size)
+
+
+CONSTRAINTS = [S.json_schema(SCHEMA), S.regex(r"(yes|no) [0-9]{2}"), None, S.choice(["red", "green", "blue"])]
+
+
+class _Body(torch.nn.Module):
+    """Stands in for a split's body module (an nn.Module attribute of ``Transformed``)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def decode(step_fn, vocab, steps: int) -> list[list[int]]:
+    """A structured decode over the static cache: ``step_fn(ids, position, fill)`` per step,
+    real xgrammar fills, requests started at different grammar states."""
+    runtime = StructuredRuntime(vocab, max_rows=BATCH)
+    for request, constraint in enumerate(CONSTRAINTS):
+        runtime.add(request, constraint)
+    deadline = time.perf_counter() + 60
+    while len(runtime.ready(list(range(BATCH)))) < BATCH and time.perf_counter() < deadline:
+        runtime.wait(list(range(BATCH)), timeout=5)  # grammars compile in the runtime's pool
+    runtime.accept(0, vocab.encode('{"name'))  # request 0 is inside its JSON object already
+    batch = list(range(BATCH))
+    ids = torch.tensor([[vocab.eos_id]] * BATCH)
+    out = []
+    for position in range(steps):
+        tokens = step_fn(ids, torch.tensor([position]), lambda: {"logit_mask": runtime.step(batch)})
+        finished = runtime.accept_rows(batch, tokens)
+        out.append(tokens.tolist())
+        for request in finished:  # finished rows keep decoding their stop token (the row allows only that)
+            assert int(tokens[request]) in runtime.stop_token_ids
+        ids = tokens[:, None]
+    runtime.close()
+    return out
+
+
+def test_pipelined_decode_equals_serial_with_kv_cache_and_real_fills(cached, vocab):
+    serial_step = fresh(cached)
+    serial = decode(lambda ids, pos, fill: serial_step(ids, pos, **fill()), vocab, 12)
+    split = split_step(fresh(cached))
+    with PipelinedStep(split, body_threads=1, timeout=60) as step:
+        pipelined = decode(lambda ids, pos, fill: step((ids, pos), fill=fill), vocab, 12)
+        assert step.last_fill_seconds > 0 and step.last_body_seconds > 0
+        assert step.worker_threads == 1
+    assert pipelined == serial
+    assert len({tuple(t) for t in serial}) > 3  # the tokens change: constrained rows follow their grammars
+
+
+def test_pipelined_generate_equals_serial(vocab):
+    model = tiny_decoder("llama", vocab_size=MODEL_VOCAB, seed=1)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    transformed = S.transform_decoder(GreedyStep(model), (ids,), vocab_size=vocab.vocab_size,
+                                      dynamic_shapes=({0: torch.export.Dim("batch")},))
+    prompts = ["user:", "pick:", "x", "say"]
+    serial = S.generate(transformed, prompts, CONSTRAINTS, 24, tokenizer=vocab)
+    pipelined = S.generate(transformed, prompts, CONSTRAINTS, 24, tokenizer=vocab, pipelined=True)
+    assert [o.tokens for o in pipelined.outputs] == [o.tokens for o in serial.outputs]
+    assert [o.finish_reason for o in pipelined.outputs] == [o.finish_reason for o in serial.outputs]
+    assert any(o.finish_reason == "stop" for o in serial.outputs)  # a request finished (the batch shrank)
+
+
+def test_the_body_thread_budget_is_its_own(cached):
+    before = torch.get_num_threads()
+    seen = {}
+    split = split_step(fresh(cached))
+    body = split.body.graph_module
+
+    class Probe(torch.nn.Module):  # records the thread count where the body runs
+        def forward(self, *args, **kwargs):
+            seen["threads"], seen["thread"] = torch.get_num_threads(), threading.current_thread().name
+            return body(*args, **kwargs)
+
+    split.body.graph_module = Probe()
+    with PipelinedStep(split, body_threads=1) as step:
+        ids, position = cached.program.example_inputs[0]
+        step((ids, position))
+    assert seen == {"threads": 1, "thread": seen["thread"]} and seen["thread"] != threading.current_thread().name
+    assert torch.get_num_threads() == before, "the worker's budget leaked into the caller's thread"
+
+
+def test_the_fill_overlaps_the_body(cached):
+    split = split_step(fresh(cached))
+    ids, position = cached.program.example_inputs[0]
+    body = split.body.graph_module
+    split.body.graph_module = _Body(lambda *a, **k: (time.sleep(0.4), body(*a, **k))[1])
+    with PipelinedStep(split, timeout=30) as step:
+        step((ids, position))  # the worker starts
+        start = time.perf_counter()
+        step((ids, position), fill=lambda: time.sleep(0.4))
+        wall = time.perf_counter() - start
+    assert wall < 0.7, f"body 0.4 s + fill 0.4 s took {wall:.2f} s: they did not overlap"
+    assert step.last_fill_seconds >= 0.4 and step.last_body_seconds >= 0.4
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_a_body_error_surfaces_as_itself(cached):
+    split = split_step(fresh(cached))
+    ids, position = cached.program.example_inputs[0]
+    filled = []
+    with PipelinedStep(split, timeout=30) as step:
+        start = time.perf_counter()
+        with pytest.raises(IndexError, match="index out of range"):
+            step((ids + 10_000, position), fill=lambda: filled.append(1))  # ids past the embedding
+        assert time.perf_counter() - start < 30 and filled == [1]
+        assert step((ids, position)).shape == (BATCH,)  # the step still works
+
+
+def test_a_fill_error_surfaces_after_the_body_finished(cached):
+    split = split_step(fresh(cached))
+    ids, position = cached.program.example_inputs[0]
+    done = threading.Event()
+    body = split.body.graph_module
+
+    def slow_body(*args, **kwargs):
+        time.sleep(0.3)
+        out = body(*args, **kwargs)
+        done.set()
+        return out
+
+    split.body.graph_module = _Body(slow_body)
+
+    def bad_fill():
+        raise ValueError("grammar exploded")
+
+    with PipelinedStep(split, timeout=30) as step:
+        with pytest.raises(ValueError, match="grammar exploded"):
+            step((ids, position), fill=bad_fill)
+        assert done.is_set(), "the fill's error was raised while the body was still running"
+
+
+def test_a_hung_body_times_out_and_the_step_refuses_after(cached):
+    split = split_step(fresh(cached))
+    ids, position = cached.program.example_inputs[0]
+    release = threading.Event()
+    split.body.graph_module = _Body(lambda *a, **k: release.wait(20))
+    step = PipelinedStep(split, timeout=0.5)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(PipelineTimeout, match="did not finish within 0.5 s"):
+            step((ids, position))
+        assert time.perf_counter() - start < 5
+        with pytest.raises(PipelineTimeout, match="unusable"):
+            step((ids, position))
+    finally:
+        release.set()
+        step.close()
+
+
+# ----------------------------------------------------------------------------- XLA
+
+
+def test_pipelined_on_xla_equals_serial_with_one_compilation_per_half(cached, vocab):
+    torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    import torch_xla.debug.metrics as met
+
+    serial_step = fresh(cached)
+    serial = decode(lambda ids, pos, fill: serial_step(ids, pos, **fill()), vocab, 6)
+    on_xla = split_step(fresh(cached)).to()
+    device = torch_xla.device()
+    gc.collect()  # an earlier test's lazy tensors: freed, or synced here, before counting
+    torch_xla.sync()
+    met.clear_all()
+    step = PipelinedStep(on_xla)
+    pipelined = decode(lambda ids, pos, fill: step((ids.to(device), pos.to(device)), fill=fill).cpu(), vocab, 6)
+    assert pipelined == serial
+    assert met.metric_data("CompileTime")[0] == 2, "expected one compilation for the body and one for the head"

@@ -1,0 +1,109 @@
+"""vLLM lane: OpenAI servers started and stopped by the tests on 127.0.0.1.
+
+Collected only by ``make test-vllm`` (the other lanes pass ``--ignore=tests/vllm``).
+One server per test module (module-scoped fixtures); every wait is bounded.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+START_TIMEOUT = 300  # seconds; an engine start is ~30-60 s on the shared 2-core machine
+REQUEST_TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, *, plugin: bool = True, env: dict | None = None, tmp: pathlib.Path,
+                 extra: list[str] | None = None, max_num_seqs: int = 8):
+        from neuron_constrain.vllm.serve import command, environment
+        from neuron_constrain.vllm.tiny_model import build
+
+        self.port = free_port()
+        self.model = build(ROOT / "build" / "tiny-llama")
+        self.log_path = tmp / f"{name}.log"
+        self.metrics_path = tmp / f"{name}.metrics.json"
+        extra_env = {"NEURON_CONSTRAIN_VLLM_METRICS": str(self.metrics_path), **(env or {})}
+        self.cmd = command(self.model, self.port, plugin=plugin, max_num_seqs=max_num_seqs, extra=extra)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=environment(**extra_env), stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait()
+
+    def _wait(self):
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}) at start:\n{self.log()[-6000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"the vLLM server did not answer /health in {START_TIMEOUT}s:\n{self.log()[-6000:]}")
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+
+    def async_client(self):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict:
+        import json
+
+        return json.loads(self.metrics_path.read_text())
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory):
+    """``start_server(name, plugin=True, env=None)`` -> a running :class:`Server`, stopped after the module."""
+    servers = []
+    tmp = tmp_path_factory.mktemp("vllm")
+
+    def start(name: str, **kwargs) -> Server:
+        server = Server(name, tmp=tmp, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
