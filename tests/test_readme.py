@@ -135,7 +135,28 @@ def _base() -> dict:
     return {"__name__": "readme", "torch": torch, "nc": nc}  # the Use block's imports
 
 
+def given_pipeline():
+    """A rewritten 1-token static-cache decode step, its inputs and a runtime with two requests."""
+    import torch
+
+    import neuron_constrain as nc
+    from neuron_constrain import structured as S
+    from neuron_constrain.testing import CachedGreedyStep, toy_tokenizer
+
+    vocab = toy_tokenizer()
+    step = CachedGreedyStep(tiny(), batch_size=2, max_cache_len=16)
+    t = nc.transform(step, step.example_inputs(vocab.vocab_size), vocab_size=vocab.vocab_size)
+    runtime = S.StructuredRuntime(vocab, max_rows=2)
+    runtime.add("a", S.choice(["yes", "no"]))
+    runtime.add("b", None)
+    runtime.wait(["a", "b"], timeout=60)
+    batch = ["a", "b"]
+    return {"t": t, "ids": torch.tensor([[vocab.eos_id]] * 2), "pos": torch.tensor([0]), "runtime": runtime,
+            "batch": batch, "mask": runtime.step(batch)}
+
+
 GIVEN = {
+    "Grammar off the critical path (split at the mask, pipelined step)": given_pipeline,
     "Choosing a grammar engine": given_engines,
     "Use": given_use,
     "Tensor parallel (vocab-parallel lm_head)": given_tensor_parallel,
