@@ -14,7 +14,10 @@ from conftest import ROOT
 SCHEMAS = {
     "person": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        # A pattern, not maxLength: vLLM's xgrammar 0.2.8 grammar for a length-bounded string admits raw
+        # control characters (invalid JSON), which sampled requests do emit (README, "Serving with vLLM").
+        "properties": {"name": {"type": "string", "pattern": "[A-Za-z ]{1,12}"},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"], "additionalProperties": False,
     },
     "palette": {
