@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import re
 import sys
 import types
 import threading
@@ -59,7 +58,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import InputError, TransformError
-from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT
+from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_mask_input
 from neuron_constrain.passes.replacement_tap_pass import INPUT_PREFIX
 from neuron_constrain.processors.registry import BUILTIN_INPUTS
 from neuron_constrain.sites import find_logits_root
@@ -250,7 +249,7 @@ class Compiled:
         options = self.backend.pass_options
         if name in self._added_names():
             return True
-        if options.get("logit_mask") is not None and (name == RANK_INPUT or re.fullmatch(MASK_INPUT + r"(_\d+)?", name)):
+        if options.get("logit_mask") is not None and (name == RANK_INPUT or is_mask_input(name)):
             return True
         if options.get("taps") and name.startswith(INPUT_PREFIX):
             return True

@@ -10,32 +10,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import torch
 import torch.fx
-from torch.export.graph_signature import OutputKind
 from torch.utils import _pytree as pytree
 
 from neuron_constrain.canonical import keyword_inputs
 from neuron_constrain.errors import TransformError
-from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT
+from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_mask_input
 from neuron_constrain.passes.replacement_tap_pass import INPUT_PREFIX as TAP_PREFIX
 from neuron_constrain.passes.replacement_tap_pass import RANK_INPUT as TAP_RANK_INPUT
-from neuron_constrain.program import OUTPUT_TAG, user_input_names
+from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind
 
 __all__ = ["CheckError", "Site", "check_program", "check_taps", "depends_on", "find_sites", "mask_inputs"]
-
-MASK_PATTERN = re.compile(re.escape(MASK_INPUT) + r"(_\d+)?")
 
 
 class CheckError(TransformError):
     """The program is not one ``check_program`` can verify (e.g. it has no logits)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: one per site
 class Site:
     """A place a token is chosen from logits (or a logits output, when nothing samples them)."""
 
@@ -54,7 +50,8 @@ def find_sites(program) -> list[Site]:
     each op's inputs back to a projection of its width (not by the passes' planner);
     a projection that nothing samples contributes the logits outputs it reaches."""
     graph = program.graph
-    roots = set(projections(graph))
+    found = projections(graph)  # graph order
+    roots = set(found)
     widths = {root: root.meta["val"].shape[-1] for root in roots}
     sites, sampled = [], set()
     for node in graph.nodes:
@@ -62,13 +59,12 @@ def find_sites(program) -> list[Site]:
             continue
         value = node.args[0]
         val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.dim() == 0 or sampling_kind(node, val.shape[-1]) is None:
-            continue
-        root = _nearest_root(value, roots, widths, val.shape[-1])
+        kind = sampling_kind(node, val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() else None
+        root = None if kind is None else _nearest_root(value, roots, widths, val.shape[-1])
         if root is not None:
-            sites.append(Site(node, sampling_kind(node, val.shape[-1]), value, root))
+            sites.append(Site(node, kind, value, root))
             sampled.add(root)
-    outputs = _user_outputs(program)
+    outputs = user_outputs(graph, program.graph_signature)
     tagged = {n for n in outputs if isinstance(n, torch.fx.Node) and OUTPUT_TAG in n.meta.get("custom", {})}
     for out in outputs:
         if not isinstance(out, torch.fx.Node) or out in tagged:
@@ -77,19 +73,9 @@ def find_sites(program) -> list[Site]:
         if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.is_floating_point():
             continue
         root = _nearest_root(out, roots, widths, val.shape[-1])
-        if root is not None and root not in sampled and root is max(roots, key=_order(graph).__getitem__):
+        if root is not None and root not in sampled and root is found[-1]:
             sites.append(Site(out, "logits output", out, root))
     return sites
-
-
-def _order(graph) -> dict:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def _user_outputs(program) -> list:
-    output = program.graph.output_node() if hasattr(program.graph, "output_node") else next(
-        n for n in reversed(program.graph.nodes) if n.op == "output")
-    return [o for o, s in zip(output.args[0], program.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
 
 
 def _nearest_root(node, roots: set, widths: dict, width: int):
@@ -113,7 +99,7 @@ def mask_inputs(program) -> dict[str, torch.fx.Node]:
     names = set(user_input_names(program))
     return {
         n.name: n for n in program.graph.nodes
-        if n.op == "placeholder" and n.name in names and MASK_PATTERN.fullmatch(n.name)
+        if n.op == "placeholder" and n.name in names and is_mask_input(n.name)
     }
 
 
@@ -174,7 +160,7 @@ def check_program(program, vocab_size: int | None = None, *, numeric: bool = Tru
         if name not in keywords:
             failures.append(f"{name} is not a keyword input of the program; callers pass it as {name}=")
     if numeric and not failures and not sharded:
-        failures += _check_numerically(program, masks, sites)
+        failures += _check_numerically(program, masks, fed_by)
     return failures
 
 
@@ -206,9 +192,10 @@ def _check_mask_width(name: str, mask, width: int, vocab_size: int | None, shard
     return []
 
 
-def _check_numerically(program, masks: dict, sites: list[Site]) -> list[str]:
+def _check_numerically(program, masks: dict, fed_by: dict[str, list[Site]]) -> list[str]:
     """Run on the example inputs, each mask allowing one random token per row; every
-    site must see only that token (others ``-inf``, or probability 0)."""
+    site (``fed_by``: mask name -> the sites reading it) must see only that token
+    (others ``-inf``, or probability 0)."""
     if program.example_inputs is None:
         return []
     args, kwargs = program.example_inputs
@@ -224,13 +211,17 @@ def _check_numerically(program, masks: dict, sites: list[Site]) -> list[str]:
         else:
             shape = tuple(val.shape)
         columns = shape[-1] * 32 if val.dtype == torch.int32 else shape[-1]
-        widths = [s.root.meta["val"].shape[-1] for s in sites if depends_on(s.logits, mask)] or [columns]
+        widths = [s.root.meta["val"].shape[-1] for s in fed_by[name]] or [columns]
         safe = 32 * (shape[-1] - 1) + 1 if val.dtype == torch.int32 else columns  # below any vocab of this width
         tokens = torch.randint(0, min(safe, *widths), shape[:-1], generator=generator)
         bits = torch.nn.functional.one_hot(tokens, columns).bool()
         kwargs[name] = pack_bool_mask(bits) if val.dtype == torch.int32 else bits
+    first_mask = {}  # each site, with the first mask (in input order) it reads
+    for name, read in fed_by.items():
+        for site in read:
+            first_mask.setdefault(site, name)
     seen: dict[str, torch.Tensor] = {}
-    wanted = {s.logits.name for s in sites}
+    wanted = {s.logits.name for s in first_mask}
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, n):
@@ -248,10 +239,9 @@ def _check_numerically(program, masks: dict, sites: list[Site]) -> list[str]:
         return [f"the program does not run on its example inputs with one-token masks ({type(e).__name__}: "
                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); re-export it"]
     failures = []
-    for site in sites:
+    for site, name in first_mask.items():
         value = seen.get(site.logits.name)
-        feeding = [n for n, m in masks.items() if depends_on(site.logits, m)]
-        if value is None or not feeding:
+        if value is None:
             continue
         rows = value.reshape(-1, value.shape[-1]).float()
         # Sampling paths sort and gather, so count per row instead of reading column t:
@@ -262,7 +252,7 @@ def _check_numerically(program, masks: dict, sites: list[Site]) -> list[str]:
         if leaked:
             failures.append(
                 f"{site.describe()} sees more than one candidate token in {leaked} of {rows.shape[0]} row(s) when "
-                f"{feeding[0]} allows exactly one per row: the mask does not reach it; rewrite the original program again"
+                f"{name} allows exactly one per row: the mask does not reach it; rewrite the original program again"
             )
     return failures
 

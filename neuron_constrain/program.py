@@ -40,13 +40,19 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["ProgramEditor", "refuse_if_present", "user_input_names"]
+__all__ = ["ProgramEditor", "refuse_if_present", "user_input_names", "user_outputs"]
 
 OUTPUT_TAG = "neuron_constrain_output"  # node.meta["custom"][OUTPUT_TAG]: the added output's name (saved in .pt2)
 
 
 def user_input_names(program: ExportedProgram) -> list[str]:
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def user_outputs(graph: torch.fx.Graph, signature: ExportGraphSignature) -> list:
+    """The output values of ``graph`` that are user outputs (not buffer mutations), in order."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return [o for o, s in zip(output.args[0], signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
 
 
 def refuse_if_present(program: ExportedProgram, names, *, pass_name: str) -> None:
@@ -87,9 +93,7 @@ class ProgramEditor:
 
     def user_output_nodes(self) -> list[torch.fx.Node | None]:
         """The graph's user outputs (not buffer mutations), in output order."""
-        outs = self.output_node.args[0]
-        specs = self.program.graph_signature.output_specs
-        return [o for o, s in zip(outs, specs) if s.kind == OutputKind.USER_OUTPUT]
+        return user_outputs(self.graph, self.program.graph_signature)
 
     # ------------------------------------------------------------------ edits
     def add_input(self, name: str, val: torch.Tensor, example: torch.Tensor) -> torch.fx.Node:

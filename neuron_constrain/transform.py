@@ -290,10 +290,11 @@ def transform(
 
 
 def _check_vocab_size(vocab_size) -> None:
-    sizes = [vocab_size] if vocab_size is None or isinstance(vocab_size, (int, float, str)) else list(vocab_size)
+    """None, a positive int, or a sequence of them (one per head)."""
+    if vocab_size is None:
+        return
+    sizes = [vocab_size] if isinstance(vocab_size, (int, float, str)) else list(vocab_size)
     for size in sizes:
-        if size is None and len(sizes) == 1:
-            return
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise TransformError(
                 f"vocab_size={vocab_size!r}: use the tokenizer's vocabulary size, a positive int "

@@ -70,6 +70,12 @@ def mask_input_name(head: int) -> str:
     return MASK_INPUT if head == 0 else f"{MASK_INPUT}_{head}"
 
 
+def is_mask_input(name: str) -> bool:
+    """Whether ``name`` is a head's mask input (:func:`mask_input_name` of some head)."""
+    head = name[len(MASK_INPUT) + 1:] if name.startswith(MASK_INPUT + "_") else None
+    return name == MASK_INPUT or (head is not None and head.isdigit())
+
+
 def empty_output_name(mask_name: str) -> str:
     """The empty-row flag output of the head masked by ``mask_name``."""
     return mask_name + EMPTY_SUFFIX
