@@ -44,13 +44,15 @@ def test_both_heads_get_their_own_mask_and_pick_their_best_allowed_token(model):
     assert [s["head"] for s in report.sites] == [0, 1]
     assert report.outputs_added == ["logit_mask_empty", "logit_mask_1_empty"]
     main_logits, draft_logits = eager_logits(step, ids)
+    shared_mask_would_differ = []
     for seed in range(3):
         main_allowed, draft_allowed = random_allowed(3, VOCAB, seed), random_allowed(3, VOCAB, seed + 10)
         token, draft = t(ids, logit_mask=pack_bool_mask(main_allowed), logit_mask_1=pack_bool_mask(draft_allowed))
         assert torch.equal(token, best_allowed(main_logits, main_allowed))
         assert torch.equal(draft, best_allowed(draft_logits, draft_allowed))
-        # The two heads really differ: masking one never moves the other.
-        assert not torch.equal(best_allowed(draft_logits, main_allowed), draft) or seed > 0
+        shared_mask_would_differ.append(not torch.equal(best_allowed(draft_logits, main_allowed), draft))
+    # The draft head really reads its own mask: the main head's mask would have picked other tokens.
+    assert any(shared_mask_would_differ)
     assert check_program(t.program) == []
 
 
