@@ -80,12 +80,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a 2-layer 1024-token model, fewer repetitions")
     parser.add_argument("--backends", default="eager,inductor")
+    parser.add_argument("--batches", default="8,64")
+    parser.add_argument("--reps", type=int, default=None, help="rounds per candidate (default 20; --quick 10)")
     parser.add_argument("--out", default="benchmarks/results/bench_logit_mask.json")
     args = parser.parse_args()
     config, reps = (SMALL, 10) if args.quick else (LLAMA3, 20)
+    reps = args.reps or reps
     torch.manual_seed(0)
     model = decoder("llama", **config)
-    rows = [measure(model, batch, backend, reps) for backend in args.backends.split(",") for batch in (8, 64)]
+    rows = [measure(model, batch, backend, reps) for backend in args.backends.split(",")
+            for batch in map(int, args.batches.split(","))]
     print(f"decode step: llama {config}, 1 token/row, static cache 128")
     print(f"{'backend':9} {'batch':>5} {'uncon ms':>9} {'con ms':>9} {'con/uncon med':>13} {'min':>6} {'paired':>6}"
           f" {'split ms':>9} {'split/con med':>13} {'paired':>6}")

@@ -1,7 +1,7 @@
 """Logits-processors pass: min_tokens, logit_bias, penalties and min_p inside the graph.
 
 Before (after the logit-mask pass)             After (processors = all four)
-    m = masked_fill(last, ~allowed, -inf)          m = masked_fill(last, ~allowed, -inf)
+    m = where(allowed, last, -inf)                 m = where(allowed, last, -inf)
     tok = argmax(m, -1)           # greedy         x = scatter_add(m, stop_ids, -inf if remaining > 0)    # min_tokens
     t = div(m, 0.8)               # sampling       x = scatter_add(x, bias_ids, bias_values)              # logit_bias
     order = sort(t)                                s = gather(x, seen_ids)                                # penalties:

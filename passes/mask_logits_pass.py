@@ -6,7 +6,7 @@ Before (greedy step)                      After (mask_format="packed", V=1000, l
     tok = argmax(last, -1)                    last = select(logits, 1, -1)
     return (tok,)                             bits = ne(bitwise_and(unsqueeze(logit_mask, -1), 1 << arange(32)), 0)
                                               allowed = pad(view(bits, [B, 1024])[:, :1000], 24, False)
-                                              masked = masked_fill(last, ~allowed, -inf)
+                                              masked = where(allowed, last, -inf)
                                               tok = argmax(masked, -1)
                                               empty = all(eq(bitwise_and(logit_mask, valid_words), 0), -1)
                                               return (tok, empty)                 # empty_row="flag"

@@ -122,7 +122,7 @@ def test_diff_lists_exactly_the_inserted_inputs_and_nodes(plain, rewritten):
     assert len(added) == report.nodes_inserted
     changed = [l for l in summary if l.startswith("    ~ ")]
     assert len(changed) == 1 and "aten.argmax.default" in changed[0]
-    assert any("masked_fill" in l and "aten.masked_fill.Scalar" in l for l in added)
+    assert any("f32[s0, 1024] = aten.where.self(" in l for l in added)  # where(allowed, logits, -inf)
     # ... followed by a unified diff of the canonical texts.
     assert f"--- {plain['llama']}" in out and "\n+  logit_mask: i32[s0, 32] = user_input keyword" in out
     assert "\n@@ " in out
@@ -151,8 +151,8 @@ def test_check_fails_when_a_site_reads_unmasked_logits(rewritten, workdir):
     program = torch.export.load(rewritten["llama"])
     argmax = next(n for n in program.graph.nodes if n.target == torch.ops.aten.argmax.default)
     masked = argmax.args[0]
-    assert masked.target == torch.ops.aten.masked_fill.Scalar
-    argmax.replace_input_with(masked, masked.args[0])  # the site bypasses the mask again
+    assert masked.target == torch.ops.aten.where.self
+    argmax.replace_input_with(masked, masked.args[1])  # the site bypasses the mask again
     program.graph_module.recompile()
     path = workdir / "llama-bypassed.pt2"
     torch.export.save(program, path)

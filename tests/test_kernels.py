@@ -349,9 +349,11 @@ def test_export_keeps_only_plain_aten_ops_with_a_symbolic_batch():
     custom = [t for t in ops if not (isinstance(t, torch._ops.OpOverload) and t.namespace == "aten")]
     assert not custom, f"non-aten ops in the exported graph: {custom}"
     names = {t.name() for t in ops}
-    # op contract: one fill per apply (applied twice), AND-based bit tests, no shifts of data,
-    # cat (not constant_pad_nd) for the padded lm_head columns, one argmax.
-    assert sum(t.overloadpacket is aten.masked_fill for t in ops) == 2
+    # op contract: one where(allowed, logits, -inf) per apply (applied twice) and no negated
+    # mask, AND-based bit tests, no shifts of data, cat (not constant_pad_nd) for the padded
+    # lm_head columns, one argmax.
+    assert sum(t is aten.where.ScalarOther for t in ops) == 2
+    assert not any(t.overloadpacket in (aten.masked_fill, aten.logical_not, aten.bitwise_not) for t in ops)
     assert sum(t.overloadpacket is aten.argmax for t in ops) == 1
     assert "aten::bitwise_and.Tensor" in names
     assert "aten::cat" in names

@@ -182,10 +182,11 @@ def test_inserted_nodes_carry_metadata_and_are_plain_aten():
         assert node.meta.get("nn_module_stack"), node
         assert node.meta.get("stack_trace"), node
         assert str(node.target).startswith("aten.") or node.target.__module__ == "_operator", node.target
-    # op-count contract: one mask input, one masked_fill, feeding the sort (top-p site)
-    ops = [n.target for n in inserted]
-    assert ops.count(aten.masked_fill.Scalar) == 1
-    masked = next(n for n in inserted if n.target == aten.masked_fill.Scalar)
+    # op-count contract: one mask input, one where(allowed, logits, -inf), feeding the sort (top-p site)
+    masks = [n for n in inserted if n.target == aten.where.self and n.args[2].target == aten.scalar_tensor.default
+             and n.args[2].args[0] == float("-inf")]
+    assert len(masks) == 1
+    masked = masks[0]
     assert any(u.target == aten.div.Tensor for u in masked.users), "mask must come before temperature"
     assert [n.name for n in t.program.graph.nodes if n.op == "placeholder"][-1] == "logit_mask"
 
