@@ -311,6 +311,77 @@ def test_mixed_batch_rows_equal_per_request_masks(vocab, compiled, data):
 
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_reused_layouts_follow_finishes_joins_and_other_batches(vocab, compiled, data):
+    """step() reuses a batch's layout while nothing changed (the decode loop's usual case);
+    a finish, a join in a freed row (even under a reused id), a reorder, or a step of
+    another batch in between must all show in the next mask, row by row."""
+    V, eos = vocab.vocab_size, vocab.eos_id
+    runtime = S.StructuredRuntime(vocab.info, max_rows=6)
+    references: dict[int, _Reference | None] = {}
+    free_finished: set[int] = set()  # unconstrained requests that took the stop token
+    next_id = 0
+
+    def join(request_id=None) -> int:
+        nonlocal next_id
+        if request_id is None:
+            request_id, next_id = next_id, next_id + 1
+        kind = data.draw(st.integers(0, len(POOL) - 1), label="kind")
+        runtime.add(request_id, POOL[kind])
+        references[request_id] = None if POOL[kind] is None else _Reference(vocab, compiled[kind])
+        free_finished.discard(request_id)
+        return request_id
+
+    def check(batch, mask):
+        assert mask.shape[0] == len(batch)
+        for row, request in enumerate(batch):
+            if references[request] is None:
+                assert bool((mask[row] == -1).all()), f"unconstrained request {request} (row {row}) is not -1"
+            else:
+                got = unpack_bitmask(mask[row], V)
+                assert torch.equal(got, references[request].row([])), f"request {request} row {row}"
+
+    slots = [join() for _ in range(data.draw(st.integers(1, 5), label="batch"))]
+    for _ in range(data.draw(st.integers(2, 10), label="steps")):
+        event = data.draw(st.sampled_from(["same", "same", "same", "replace", "reorder", "other batch"]), label="event")
+        if event == "replace":  # a request leaves; a new one joins in its row (sometimes under the same id)
+            position = data.draw(st.integers(0, len(slots) - 1), label="position")
+            runtime.remove(slots[position])
+            del references[slots[position]]
+            with pytest.raises(S.BatchLayoutError, match="not in the runtime"):
+                runtime.step(slots)  # the old layout names a request that left
+            slots[position] = join(slots[position] if data.draw(st.booleans(), label="reuse id") else None)
+        elif event == "reorder":
+            slots = data.draw(st.permutations(slots), label="order")
+        elif event == "other batch":  # e.g. another micro-batch stepped in between
+            other = data.draw(st.lists(st.sampled_from(slots), unique=True, min_size=1), label="other")
+            check(other, runtime.step(other))
+        batch = list(slots)
+        check(batch, runtime.step(batch))
+        tokens, finishing = [], set()
+        for request in batch:
+            reference = references[request]
+            if reference is None:
+                token = eos if request in free_finished else data.draw(st.sampled_from([eos, 65, 700]), label="free")
+                if token == eos and request not in free_finished:
+                    finishing.add(request)
+                    free_finished.add(request)
+            else:
+                allowed = reference.row([]).nonzero().flatten().tolist()
+                token = eos if eos in allowed and data.draw(st.booleans(), label="stop") else data.draw(st.sampled_from(allowed))
+                if not reference.finished:
+                    reference.history.append(token)
+                    if token == eos:
+                        finishing.add(request)
+                reference.finished = reference.finished or token == eos
+            tokens.append(token)
+        if data.draw(st.booleans(), label="one by one"):
+            assert {r for r, t in zip(batch, tokens) if runtime.accept(r, [t]) and r in finishing} == finishing
+        else:
+            assert set(runtime.accept_rows(batch, tokens)) == finishing
+
+
 def test_parallel_and_direct_fills_write_the_same_rows(vocab):
     """Batch 1 (the matcher directly), a few rows on this thread, and the threaded batch fill agree."""
     texts = ['{"a":1', '{"a":12,"b":[tr', '"ab', 'ye', '[1,', "cc", '{"a":', "m"]

@@ -6,7 +6,14 @@ with grammars compiled off the critical path.
     runtime.ready(["r1", "r2"])                              # the requests a scheduler may put in a batch
     runtime.error("r1")                                      # the ConstraintError of a failed request
     mask = runtime.step(batch)                               # rows in batch order (ready requests only)
-    runtime.accept_rows(batch, tokens)
+    runtime.accept_rows(batch, tokens)                       # the requests these tokens finished
+
+Layout reuse: ``step`` lays a batch out once (per-request readiness, -1 rows, stop-only
+rows of finished requests) and reuses that layout, touching no request, while the
+batch (same requests, same order) and every request's state are unchanged: the decode
+loop's usual case (``generate`` and vLLM's persistent batch keep a request in its row).
+A join, a leave, a finish or a compilation ending moves a version counter and the next
+step lays the batch out again; so does a step of another batch or with drafts.
 
 Compilation: a thread pool (``compile_workers``) compiles each constraint once; the
 cache is keyed by the constraint (``Constraint.key``: kind, spec, options), so a
@@ -74,7 +81,7 @@ class GrammarFailedError(ConstraintError):
         self.request_id = request_id
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: fewer memory reads per row on the per-step path
 class _Request:
     constraint: Constraint | None
     matcher: object | None = None  # the engine's matcher once the grammar is ready
@@ -176,6 +183,12 @@ class StructuredRuntime:
         self._stop_row = pack_bool_mask(stop[: self.vocab_size])
         self._stop_words = self._stop_row.numpy()
         self._requests: dict[Hashable, _Request] = {}
+        # The last step's layout, reused while the batch and every request's state are unchanged
+        # (a decode loop's usual case): (state version, batch, fill matchers, fill rows, rows,
+        # accept plan). ``_version`` moves on every join, leave, compilation end and finish.
+        self._plan: tuple | None = None
+        self._version = 0
+        self._draft_seconds = 0.0
         self._decoded: list[bytes] | None = None
         self.last_step_seconds = 0.0  # whole step(): layout + fills + hand-off
         self.last_fill_seconds = 0.0  # the engine's fill_next_token_bitmask / accept / rollback inside it
@@ -260,6 +273,7 @@ class StructuredRuntime:
             request.future = future
             self._resolve(request_id, request)
         self._requests[request_id] = request
+        self._version += 1
 
     def _resolve(self, request_id: Hashable, request: _Request) -> bool:
         """Make the request's matcher if its compilation is done; False while it is pending or failed."""
@@ -268,6 +282,7 @@ class StructuredRuntime:
             return request.error is None
         if future.done():
             request.future = None
+            self._version += 1
             try:
                 compiled = future.result()
                 request.matcher = self.engine.matcher(compiled)
@@ -282,6 +297,7 @@ class StructuredRuntime:
             return request.error is None
         if time.perf_counter() > request.deadline:
             request.future = None
+            self._version += 1
             request.error = GrammarFailedError(
                 f"request {request_id!r}: its {request.constraint.describe()} constraint did not compile within "
                 f"{request.timeout:g} s; simplify the schema (fewer bounded strings/alternatives), resubmit with a "
@@ -321,6 +337,7 @@ class StructuredRuntime:
     def remove(self, request_id: Hashable) -> None:
         if self._requests.pop(request_id, None) is None:
             raise BatchLayoutError(f"request {request_id!r} is not in the runtime (never added, or removed already)")
+        self._version += 1
 
     def unenforced(self, request_id: Hashable) -> tuple:
         """The schema keywords this request's engine accepted but does not enforce
@@ -368,11 +385,37 @@ class StructuredRuntime:
                 self._request(request_id)
             self.last_step_seconds, self.last_fill_seconds = clock() - start, 0.0
             return None
-        # Hot path: plain dict/list work per request; xgrammar writes the rows in place.
+        key = tuple(batch)
+        plan = self._plan
+        if drafts or plan is None or plan[0] != self._version or plan[1] != key:
+            plan = self._layout(batch, key, drafts)
+        _, _, fill_matchers, fill_rows, row, _ = plan
+        fill_seconds = self._draft_seconds if drafts else 0.0
+        if fill_matchers:
+            tick = clock()
+            buffer = self.buffer
+            if len(fill_matchers) == 1:  # the matcher directly: the batch API costs ~65 us for one row
+                fill_matchers[0].fill_next_token_bitmask(buffer, fill_rows[0])
+            elif len(fill_matchers) < self.parallel_min_rows:  # a few rows: on this thread
+                for matcher, fill_row in zip(fill_matchers, fill_rows):
+                    matcher.fill_next_token_bitmask(buffer, fill_row)
+            else:  # one call: the engine fills the rows on fill_threads threads, GIL released
+                self.engine.batch_fill(fill_matchers, buffer, fill_rows)
+            fill_seconds += clock() - tick
+        view = self._views[row]
+        self.last_fill_seconds = fill_seconds
+        self.last_step_seconds = clock() - start
+        return view
+
+    def _layout(self, batch: Sequence[Hashable], key: tuple, drafts) -> tuple:
+        """Lay ``batch`` out in the buffer: write the rows that do not change while the
+        layout holds (-1 rows, stop-only rows), fill draft rows, and return the plan
+        ``step`` and ``accept_rows`` reuse (kept as ``self._plan`` when there are no drafts)."""
         requests, buffer, all_allowed, words = self._requests, self.buffer, self._all_allowed, self._words
-        fill_seconds, row = 0.0, 0
+        self._plan, self._draft_seconds, row = None, 0.0, 0
         fill_matchers, fill_rows = [], []
-        for request_id in batch:
+        live, others = [], []  # accept plan: (position, request, matcher) rows batched, positions one by one
+        for position, request_id in enumerate(batch):
             request = requests.get(request_id)
             if request is None:
                 self._request(request_id)  # raises, naming the request
@@ -389,7 +432,7 @@ class StructuredRuntime:
                             buffer[r].fill_(-1)
                             all_allowed[r] = 1
                 else:
-                    fill_seconds += self._fill(request_id, request, row, draft)
+                    self._draft_seconds += self._fill(request_id, request, row, draft)
                     for r in range(row, end):
                         all_allowed[r] = 0
                 row = end
@@ -401,30 +444,25 @@ class StructuredRuntime:
                 if not all_allowed[row]:
                     words[row] = -1
                     all_allowed[row] = 1
+                others.append(position)
             elif request.finished:
                 words[row] = self._stop_words
                 all_allowed[row] = 0
+                others.append(position)
             else:
                 fill_matchers.append(matcher)
                 fill_rows.append(row)
                 all_allowed[row] = 0
+                live.append((position, request, matcher))
             row += 1
         if len(set(batch)) != len(batch):
             raise BatchLayoutError(f"the batch {list(batch)} names a request twice; each request owns one slot")
-        if fill_matchers:
-            tick = clock()
-            if len(fill_matchers) == 1:  # the matcher directly: the batch API costs ~65 us for one row
-                fill_matchers[0].fill_next_token_bitmask(buffer, fill_rows[0])
-            elif len(fill_matchers) < self.parallel_min_rows:  # a few rows: on this thread
-                for matcher, fill_row in zip(fill_matchers, fill_rows):
-                    matcher.fill_next_token_bitmask(buffer, fill_row)
-            else:  # one call: the engine fills the rows on fill_threads threads, GIL released
-                self.engine.batch_fill(fill_matchers, buffer, fill_rows)
-            fill_seconds += clock() - tick
-        view = self._views[row]
-        self.last_fill_seconds = fill_seconds
-        self.last_step_seconds = clock() - start
-        return view
+        every_row_live = len(live) == len(batch)
+        accept_plan = ([p for p, _, _ in live], [r for _, r, _ in live], [m for _, _, m in live], others, every_row_live)
+        plan = (self._version, key, fill_matchers, fill_rows, row, accept_plan)
+        if not drafts:
+            self._plan = plan
+        return plan
 
     def _too_many_rows(self, batch, drafts) -> None:
         total = len(batch) + sum(len(drafts.get(r, ())) for r in batch) if drafts else len(batch)
@@ -476,7 +514,7 @@ class StructuredRuntime:
         request = self._request(request_id)
         if request.matcher is None and request.constraint is not None:
             self._not_ready(request_id, request)  # waits for it, or raises its compile error
-        matcher, advanced = request.matcher, 0
+        matcher, advanced, was_finished = request.matcher, 0, request.finished
         for token in tokens:
             token = int(token)
             if not 0 <= token < self.vocab_size:
@@ -510,15 +548,18 @@ class StructuredRuntime:
                 )
             advanced += 1
             request.finished = matcher.is_terminated()
+        if request.finished != was_finished:
+            self._version += 1  # the batch layout changes: its rows now allow only stop tokens
         return request.finished
 
     def _undo(self, request: _Request, advanced: int) -> None:
         if advanced:
             request.matcher.rollback(advanced)
             request.finished = False
+            self._version += 1
 
     def accept_rows(self, batch: Sequence[Hashable], tokens: torch.Tensor | Sequence[int]) -> list[Hashable]:
-        """One sampled token per request of ``batch`` (no drafts); returns the requests that finished.
+        """One sampled token per request of ``batch`` (no drafts); returns the requests this token finished.
 
         A token some request's grammar forbids raises :class:`DisallowedTokenError` for
         that request (left unchanged) after the other requests have taken theirs.
@@ -528,34 +569,39 @@ class StructuredRuntime:
         values = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if len(values) != len(batch):
             raise BatchLayoutError(f"{len(values)} tokens for a batch of {len(batch)} requests; pass one token per request")
-        requests, vocab_size, stops = self._requests, self.vocab_size, self.stop_token_ids
+        plan, key = self._plan, tuple(batch)
+        if plan is None or plan[0] != self._version or plan[1] != key:
+            plan = self._layout(batch, key, None)  # the layout step() would use; nothing is filled
+        positions, live_requests, live_matchers, others, every_row_live = plan[5]
+        live_tokens = values if every_row_live else [values[p] for p in positions]
         finished, xgrammar_seconds = [], 0.0
-        live_ids, live_requests, live_matchers, live_tokens = [], [], [], []
-        for request_id, token in zip(batch, values):
-            request = requests.get(request_id)
-            matcher = request.matcher if request is not None else None
-            # Hot path: a live constrained request and an in-vocabulary token, batched below.
-            if matcher is not None and not request.finished and 0 <= token < vocab_size:
-                live_ids.append(request_id)
-                live_requests.append(request)
-                live_matchers.append(matcher)
-                live_tokens.append(token)
-            elif self.accept(request_id, (token,)):
+        requests = self._requests
+        for position in others:  # unconstrained and finished rows: one by one (cheap: no grammar)
+            request_id = batch[position]
+            was_finished = requests[request_id].finished  # (then it pads its row with stop tokens)
+            if self.accept(request_id, (values[position],)) and not was_finished:
                 finished.append(request_id)
+        if live_tokens and not (min(live_tokens) >= 0 and max(live_tokens) < self.vocab_size):
+            for position in positions:  # a token past the vocabulary: the request's own error
+                if not 0 <= values[position] < self.vocab_size:
+                    self.accept(batch[position], (values[position],))  # raises, naming request and token
         if live_matchers:
             tick = clock()
             accepted = self.engine.batch_accept(live_matchers, live_tokens)
             xgrammar_seconds += clock() - tick
-            refused = None
-            for request_id, request, token, ok in zip(live_ids, live_requests, live_tokens, accepted):
-                if not ok:
-                    refused = refused or (request_id, token)
-                elif token in stops:  # accepting a stop token is what terminates a matcher
-                    request.finished = True
-                    finished.append(request_id)
-            if refused is not None:  # the other requests advanced; this one is unchanged
-                self.last_accept_xgrammar_seconds = xgrammar_seconds
-                self.accept(refused[0], [refused[1]])  # raises, naming request and token
+            stops = self.stop_token_ids
+            if False in accepted or not stops.isdisjoint(live_tokens):
+                refused = None
+                for position, request, token, ok in zip(positions, live_requests, live_tokens, accepted):
+                    if not ok:
+                        refused = refused or (batch[position], token)
+                    elif token in stops:  # accepting a stop token is what terminates a matcher
+                        request.finished = True
+                        finished.append(batch[position])
+                        self._version += 1
+                if refused is not None:  # the other requests advanced; this one is unchanged
+                    self.last_accept_xgrammar_seconds = xgrammar_seconds
+                    self.accept(refused[0], [refused[1]])  # raises, naming request and token
         self.last_accept_xgrammar_seconds = xgrammar_seconds
         self.last_accept_seconds = clock() - start
         return finished
