@@ -385,24 +385,22 @@ class StructuredRuntime:
                 self._request(request_id)
             self.last_step_seconds, self.last_fill_seconds = clock() - start, 0.0
             return None
-        key = tuple(batch)
-        plan = self._plan
+        plan, key = self._plan, tuple(batch)
         if drafts or plan is None or plan[0] != self._version or plan[1] != key:
             plan = self._layout(batch, key, drafts)
-        _, _, fill_matchers, fill_rows, row, _ = plan
+        fill_matchers, fill_rows = plan[2], plan[3]
         fill_seconds = self._draft_seconds if drafts else 0.0
         if fill_matchers:
             tick = clock()
-            buffer = self.buffer
             if len(fill_matchers) == 1:  # the matcher directly: the batch API costs ~65 us for one row
-                fill_matchers[0].fill_next_token_bitmask(buffer, fill_rows[0])
+                fill_matchers[0].fill_next_token_bitmask(self.buffer, fill_rows[0])
             elif len(fill_matchers) < self.parallel_min_rows:  # a few rows: on this thread
                 for matcher, fill_row in zip(fill_matchers, fill_rows):
-                    matcher.fill_next_token_bitmask(buffer, fill_row)
+                    matcher.fill_next_token_bitmask(self.buffer, fill_row)
             else:  # one call: the engine fills the rows on fill_threads threads, GIL released
-                self.engine.batch_fill(fill_matchers, buffer, fill_rows)
+                self.engine.batch_fill(fill_matchers, self.buffer, fill_rows)
             fill_seconds += clock() - tick
-        view = self._views[row]
+        view = self._views[plan[4]]
         self.last_fill_seconds = fill_seconds
         self.last_step_seconds = clock() - start
         return view
@@ -566,7 +564,7 @@ class StructuredRuntime:
         """
         clock = time.perf_counter
         start = clock()
-        values = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        values = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens  # only read
         if len(values) != len(batch):
             raise BatchLayoutError(f"{len(values)} tokens for a batch of {len(batch)} requests; pass one token per request")
         plan, key = self._plan, tuple(batch)
@@ -575,20 +573,21 @@ class StructuredRuntime:
         positions, live_requests, live_matchers, others, every_row_live = plan[5]
         live_tokens = values if every_row_live else [values[p] for p in positions]
         finished, xgrammar_seconds = [], 0.0
-        requests = self._requests
-        for position in others:  # unconstrained and finished rows: one by one (cheap: no grammar)
-            request_id = batch[position]
-            was_finished = requests[request_id].finished  # (then it pads its row with stop tokens)
-            if self.accept(request_id, (values[position],)) and not was_finished:
-                finished.append(request_id)
-        if live_tokens and not (min(live_tokens) >= 0 and max(live_tokens) < self.vocab_size):
-            for position in positions:  # a token past the vocabulary: the request's own error
-                if not 0 <= values[position] < self.vocab_size:
-                    self.accept(batch[position], (values[position],))  # raises, naming request and token
+        if others:  # unconstrained and finished rows: one by one (cheap: no grammar)
+            requests = self._requests
+            for position in others:
+                request_id = batch[position]
+                was_finished = requests[request_id].finished  # (then it pads its row with stop tokens)
+                if self.accept(request_id, (values[position],)) and not was_finished:
+                    finished.append(request_id)
         if live_matchers:
+            if not (min(live_tokens) >= 0 and max(live_tokens) < self.vocab_size):
+                for position in positions:  # a token past the vocabulary: the request's own error
+                    if not 0 <= values[position] < self.vocab_size:
+                        self.accept(batch[position], (values[position],))  # raises, naming request and token
             tick = clock()
             accepted = self.engine.batch_accept(live_matchers, live_tokens)
-            xgrammar_seconds += clock() - tick
+            xgrammar_seconds = clock() - tick
             stops = self.stop_token_ids
             if False in accepted or not stops.isdisjoint(live_tokens):
                 refused = None
