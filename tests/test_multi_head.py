@@ -86,10 +86,9 @@ def test_check_fails_when_one_head_is_unmasked(model):
     # Undo the draft head's mask: its argmax reads the raw projection again.
     editor = ProgramEditor(t.program)
     (site,) = [n for n in editor.graph.nodes if n.name == t.report["logit_mask"].sites[1]["node"]]
-    masked = site.args[0]
-    raw = masked.args[0] if masked.args[0].op != "placeholder" else masked.args[1]
-    while raw.name.startswith("logit_mask"):
-        raw = raw.args[0]
+    masked = site.args[0]  # where(allowed, logits, -inf)
+    assert masked.target == torch.ops.aten.where.self
+    raw = masked.args[1]
     editor.replace_uses(masked, raw, users=[site])
     broken = editor.build()
     (failure,) = check_program(broken)

@@ -18,7 +18,8 @@ WORKER_CLS = "neuron_constrain.vllm.worker.NeuronConstrainWorker"
 VALIDATOR = "neuron_constrain.vllm.validate:RequestValidator"
 # Debug switch for the negative control: feed an all-allowed mask (grammars NOT enforced).
 ALL_ALLOWED_ENV = "NEURON_CONSTRAIN_VLLM_ALL_ALLOWED_MASK"
-# Where the worker writes its counters (JSON, rewritten every step): steps, compilations, ...
+# Where the worker writes its counters (JSON, rewritten by a writer thread ~50 ms after steps):
+# steps, compilations, fill_seconds / head_seconds (host time per part of the step), ...
 METRICS_ENV = "NEURON_CONSTRAIN_VLLM_METRICS"
 
 # Fixed per-row widths of the head program's inputs (requests beyond them get HTTP 400).

@@ -40,9 +40,13 @@ class SamplingHead(torch.nn.Module):
     the ``max_top_k`` most likely tokens, where top-k and then top-p (on the
     renormalised top-k mass, as vLLM) cut the sorted candidates — the "global top-k"
     of accelerator samplers (Neuron's on-device sampling): top_k must be <= max_top_k
-    and top-p's nucleus is taken within those candidates. ``noise`` is Exponential(1)
-    in vocab order (``[B, V]``), drawn by the caller (seeded requests from their own
-    generator).
+    and top-p's nucleus is taken within those candidates. ``noise`` (``[B, V]``) is
+    Exponential(1), drawn by the caller: a full row races the whole vocabulary in token
+    order; a cut row reads its candidates' entries by token id, or, where ``rank_noise``
+    is set, its first ``max_top_k`` entries, one per candidate rank (i.i.d. noise, so the
+    same distribution) — then the caller draws 256 numbers for it, not a vocabulary's
+    worth. The plugin sets ``rank_noise`` for unseeded rows; a seeded row draws the whole
+    row from its own generator in token order, as vLLM's sampler does.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_top_k: int = 256):
@@ -51,7 +55,7 @@ class SamplingHead(torch.nn.Module):
         self.register_buffer("bias", bias, persistent=False) if bias is not None else setattr(self, "bias", None)
         self.max_top_k = min(max_top_k, weight.shape[0])
 
-    def forward(self, hidden, noise, greedy, full, top_k, top_p):
+    def forward(self, hidden, noise, greedy, full, top_k, top_p, rank_noise):
         logits = F.linear(hidden, self.weight, self.bias).float()
         greedy_token = logits.argmax(-1)
         # whole-vocabulary race
@@ -63,7 +67,9 @@ class SamplingHead(torch.nn.Module):
         probs = values.softmax(-1)
         before = probs.cumsum(-1) - probs
         kept = values.masked_fill(before >= top_p.unsqueeze(-1), float("-inf")).softmax(-1)
-        choice = (kept / noise.gather(-1, ids)).argmax(-1, keepdim=True)
+        # a candidate's noise: by rank (the row's first max_top_k entries) or by token id
+        cand_noise = torch.where(rank_noise.unsqueeze(-1), noise[:, : self.max_top_k], noise.gather(-1, ids))
+        choice = (kept / cand_noise).argmax(-1, keepdim=True)
         cut_token = ids.gather(-1, choice).squeeze(-1)
         return torch.where(greedy, greedy_token, torch.where(full, full_token, cut_token))
 
@@ -88,11 +94,12 @@ class HeadInputs:
     full: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    rank_noise: torch.Tensor
     processors: dict[str, torch.Tensor]
     logit_mask: torch.Tensor
 
     def call_args(self):
-        return (self.hidden, self.noise, self.greedy, self.full, self.top_k, self.top_p), {
+        return (self.hidden, self.noise, self.greedy, self.full, self.top_k, self.top_p, self.rank_noise), {
             "logit_mask": self.logit_mask, **self.processors}
 
 
@@ -138,6 +145,7 @@ class HeadPrograms:
             torch.ones(b, dtype=torch.bool),
             torch.full((b,), self.max_top_k, dtype=torch.int64),
             torch.full((b,), TOP_P_OFF),
+            torch.ones(b, dtype=torch.bool),
         )
 
     def build(self, b: int):

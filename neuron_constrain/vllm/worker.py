@@ -13,12 +13,21 @@ program's inputs from the persistent batch (temperature, top-k/p, penalties,
 min_tokens, logit_bias, min_p, per-request noise from seeded generators) and calls the
 bucket's program. vLLM's host-side ``apply_grammar_bitmask`` and its ``Sampler`` are
 not called for any token.
+
+Host work per step is kept small: inputs are written through numpy views of the
+program's tensors, per-request constants (min_tokens stop ids, logit_bias arrays, min_p,
+the prompt's unique ids) are computed once per request, a sparse processor's inputs are
+reset only when a row used them, noise is drawn only for rows that sample (256 numbers
+for an unseeded top-k/top-p row; a vocabulary's worth for a full-vocabulary race or a
+seeded row), and the counters file is written by a thread, not by the step.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
+import time
 
 import numpy as np
 import torch
@@ -38,6 +47,7 @@ from neuron_constrain.vllm.head import TOP_P_OFF, HeadPrograms, buckets_for  # n
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
 _SAMPLING_EPS = 1e-5  # vLLM's: temperature below it is greedy
+_METRICS_PERIOD_S = 0.05  # the counters file trails the last step by about this much
 
 
 class ConfigError(ValueError):
@@ -100,10 +110,15 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self._nc_grammar = None
         self._nc_all_allowed = os.environ.get(ALL_ALLOWED_ENV, "") == "1"
         self._nc_metrics_path = os.environ.get(METRICS_ENV) or None
-        self._nc_metrics_written = 0.0
         self._nc_warm_compilations = None
-        self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0}
-        self._nc_pen_cache: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
+        # fill_seconds: host time filling the program's inputs; head_seconds: running the program
+        self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0,
+                          "fill_seconds": 0.0, "head_seconds": 0.0}
+        self._nc_consts: dict[str, _RequestConsts] = {}
+        self._nc_views: dict[int, dict[str, np.ndarray]] = {}
+        self._nc_dirty: dict[int, set[str]] = {}  # per bucket: sparse processor inputs not neutral now
+        self._nc_metrics_event = threading.Event()
+        self._nc_metrics_thread = None
         if self._nc_all_allowed:
             log.warning("neuron_constrain: %s=1: feeding an ALL-ALLOWED mask (negative control; grammars are NOT "
                         "enforced)", ALL_ALLOWED_ENV)
@@ -164,123 +179,209 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self.input_batch.update_async_output_token_ids()
         hidden = logits
         rows = hidden.shape[0]
+        start = time.perf_counter()
         bucket = self.head.bucket(rows)
         inputs = self.head.inputs[bucket]
+        views = self._views(bucket)
         inputs.hidden[:rows].copy_(hidden)
         if rows < bucket:
             inputs.hidden[rows:].zero_()
-        self._fill_mask(inputs.logit_mask, rows)
-        self._fill_sampling(inputs, rows)
+        self._fill_mask(views["logit_mask"], rows)
+        self._fill_sampling(inputs, views, rows)
+        filled = time.perf_counter()
         with torch.inference_mode():
             tokens = self.head.run(bucket)[:rows]
-        self._nc_stats["steps"] += 1
-        self._nc_stats["rows"] += rows
+        stats = self._nc_stats
+        stats["fill_seconds"] += filled - start
+        stats["head_seconds"] += time.perf_counter() - filled
+        stats["steps"] += 1
+        stats["rows"] += rows
         self._write_metrics()
         return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None)
 
-    def _fill_mask(self, mask: torch.Tensor, rows: int) -> None:
-        mask.fill_(-1)
+    def _views(self, bucket: int) -> dict[str, np.ndarray]:
+        """numpy views sharing memory with the bucket's program inputs (cheap per-row writes)."""
+        views = self._nc_views.get(bucket)
+        if views is None:
+            inputs = self.head.inputs[bucket]
+            views = {name: getattr(inputs, name).numpy()
+                     for name in ("greedy", "full", "top_k", "top_p", "rank_noise", "logit_mask")}
+            views.update({name: t.numpy() for name, t in inputs.processors.items()})
+            self._nc_views[bucket] = views
+            self._nc_dirty[bucket] = {"min_tokens", "logit_bias", "min_p", "penalties"}  # reset on first use
+        return views
+
+    def _fill_mask(self, mask: np.ndarray, rows: int) -> None:
+        mask[:] = -1
         grammar_output, scheduler_output = self._nc_grammar or (None, None)
         if grammar_output is None or self._nc_all_allowed:
             return
-        bitmask = grammar_output.grammar_bitmask
         index = self.input_batch.req_id_to_index
         # No speculative rows (refused at start): batch row = the request's index.
+        compact, batch_rows = [], []
         for compact_row, req_id in enumerate(grammar_output.structured_output_request_ids):
             row = index.get(req_id)
             if row is not None and row < rows:
-                mask[row].copy_(torch.from_numpy(bitmask[compact_row]))
-                self._nc_stats["constrained_rows"] += 1
+                compact.append(compact_row)
+                batch_rows.append(row)
+        if batch_rows:
+            mask[batch_rows] = grammar_output.grammar_bitmask[compact]
+            self._nc_stats["constrained_rows"] += len(batch_rows)
 
-    def _fill_sampling(self, inputs, rows: int) -> None:
+    def _request_consts(self, req_id: str) -> _RequestConsts:
+        """Per-request constants of the head's inputs, computed once per request."""
+        params = self.requests[req_id].sampling_params
+        consts = self._nc_consts.get(req_id)
+        if consts is None or consts.params is not params:
+            if len(self._nc_consts) > 4 * self.scheduler_config.max_num_seqs + 16:
+                self._nc_consts = {k: v for k, v in self._nc_consts.items() if k in self.requests}
+            consts = self._nc_consts[req_id] = _RequestConsts(params, self.requests[req_id].prompt_token_ids)
+        return consts
+
+    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], rows: int) -> None:
         batch = self.input_batch
-        b = inputs.hidden.shape[0]
+        bucket = inputs.hidden.shape[0]
+        dirty = self._nc_dirty[bucket]
+        max_top_k = self.head.max_top_k
         temperature = batch.temperature_cpu[:rows]
         greedy = temperature < _SAMPLING_EPS
         top_k = batch.top_k_cpu[:rows]
         top_p = batch.top_p_cpu[:rows]
         no_cut = (top_k >= self.head.vocab_size) | (top_k <= 0)
         full = no_cut & (top_p >= 1.0)
-        inputs.greedy.fill_(True)
-        inputs.greedy[:rows].copy_(torch.from_numpy(greedy))
-        inputs.full.fill_(True)
-        inputs.full[:rows].copy_(torch.from_numpy(full))
-        inputs.top_k.fill_(self.head.max_top_k)
-        inputs.top_k[:rows].copy_(torch.from_numpy(np.where(no_cut, self.head.max_top_k, top_k).astype(np.int64)))
-        inputs.top_p.fill_(TOP_P_OFF)
-        inputs.top_p[:rows].copy_(torch.from_numpy(np.where(top_p >= 1.0, TOP_P_OFF, top_p).astype(np.float32)))
-        p = inputs.processors
-        p["temperature"].fill_(1.0)
-        p["temperature"][:rows].copy_(torch.from_numpy(np.where(greedy, 1.0, temperature).astype(np.float32)))
-        # noise: only rows that sample; seeded requests draw from their own generator (as vLLM's sampler does)
+        views["greedy"][:rows] = greedy
+        views["greedy"][rows:] = True
+        views["full"][:rows] = full
+        views["full"][rows:] = True
+        views["top_k"][:rows] = np.where(no_cut, max_top_k, top_k)
+        views["top_k"][rows:] = max_top_k
+        views["top_p"][:rows] = np.where(top_p >= 1.0, TOP_P_OFF, top_p)
+        views["top_p"][rows:] = TOP_P_OFF
+        views["temperature"][:rows] = np.where(greedy, 1.0, temperature)
+        views["temperature"][rows:] = 1.0
+        # noise: only rows that sample, and only what they read. Unseeded: a whole row for a
+        # full-vocabulary race, else the first max_top_k entries (the race among the sorted
+        # candidates, by rank). Seeded: the whole row from the request's own generator, in token
+        # order (as vLLM's sampler draws it).
+        generators = batch.generators
+        rank_noise = views["rank_noise"]
+        rank_noise[:] = True
+        for i in generators:
+            if i < rows:
+                rank_noise[i] = False
         sampled = np.flatnonzero(~greedy)
         self._nc_stats["sampled_rows"] += len(sampled)
         if len(sampled):
-            generators = batch.generators
-            if len(sampled) > len(generators):
-                inputs.noise[:rows].exponential_()
-            for i in sampled:
-                gen = generators.get(int(i))
-                if gen is not None:
-                    inputs.noise[i].exponential_(generator=gen)
-        # per-request processors
-        p["min_tokens_remaining"].zero_()
-        p["min_tokens_stop_ids"].fill_(-1)
-        p["logit_bias_ids"].fill_(-1)
-        p["logit_bias_values"].zero_()
-        p["min_p"].zero_()
-        for i, req_id in enumerate(batch.req_ids[:rows]):
-            params = self.requests[req_id].sampling_params
-            output = batch.req_output_token_ids[i] or []
-            if params.min_tokens and len(output) < params.min_tokens:
-                stops = sorted(params.all_stop_token_ids)[: p["min_tokens_stop_ids"].shape[1]]
-                p["min_tokens_remaining"][i] = params.min_tokens - len(output)
-                p["min_tokens_stop_ids"][i, : len(stops)] = torch.tensor(stops, dtype=torch.int64)
-            if params.logit_bias:
-                items = list(params.logit_bias.items())[: p["logit_bias_ids"].shape[1]]
-                p["logit_bias_ids"][i, : len(items)] = torch.tensor([int(t) for t, _ in items], dtype=torch.int64)
-                p["logit_bias_values"][i, : len(items)] = torch.tensor([float(v) for _, v in items])
-            if params.min_p:
-                p["min_p"][i] = float(params.min_p)
+            noise = inputs.noise
+            unseeded = [int(i) for i in sampled if int(i) not in generators]
+            if unseeded:
+                cut_rows = [i for i in unseeded if not full[i]]
+                if len(cut_rows) > 1:
+                    noise[: max(cut_rows) + 1, :max_top_k].exponential_()
+                elif cut_rows:
+                    noise[cut_rows[0], :max_top_k].exponential_()
+                for i in unseeded:
+                    if full[i]:
+                        noise[i].exponential_()
+            for i, gen in generators.items():
+                if i < rows and not greedy[i]:
+                    noise[i].exponential_(generator=gen)
+        # per-request processors: rows that use one (constants cached per request); the rest neutral
+        req_ids = batch.req_ids[:rows]
+        consts = [self._request_consts(req_id) for req_id in req_ids]
+        outputs = batch.req_output_token_ids
+        min_tokens = [i for i, c in enumerate(consts) if c.min_tokens and len(outputs[i] or ()) < c.min_tokens]
+        if min_tokens or "min_tokens" in dirty:
+            views["min_tokens_remaining"][:] = 0
+            views["min_tokens_stop_ids"][:] = -1
+            for i in min_tokens:
+                c = consts[i]
+                views["min_tokens_remaining"][i] = c.min_tokens - len(outputs[i] or ())
+                views["min_tokens_stop_ids"][i, : len(c.stops)] = c.stops
+            self._mark(dirty, "min_tokens", min_tokens)
+        bias = [i for i, c in enumerate(consts) if c.bias_ids is not None]
+        if bias or "logit_bias" in dirty:
+            views["logit_bias_ids"][:] = -1
+            views["logit_bias_values"][:] = 0.0
+            for i in bias:
+                c = consts[i]
+                views["logit_bias_ids"][i, : len(c.bias_ids)] = c.bias_ids
+                views["logit_bias_values"][i, : len(c.bias_ids)] = c.bias_values
+            self._mark(dirty, "logit_bias", bias)
+        min_p = [i for i, c in enumerate(consts) if c.min_p]
+        if min_p or "min_p" in dirty:
+            views["min_p"][:] = 0.0
+            for i in min_p:
+                views["min_p"][i] = consts[i].min_p
+            self._mark(dirty, "min_p", min_p)
         # penalties (vLLM: repetition over prompt + output, frequency/presence over output)
         rep, freq, pres = (batch.repetition_penalties_cpu[:rows], batch.frequency_penalties_cpu[:rows],
                            batch.presence_penalties_cpu[:rows])
-        p["penalty_repetition"].fill_(1.0)
-        p["penalty_frequency"].zero_()
-        p["penalty_presence"].zero_()
-        p["penalty_token_ids"].fill_(-1)
-        p["penalty_token_counts"].zero_()
         active = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
-        if len(active):
-            p["penalty_repetition"][:rows].copy_(torch.from_numpy(rep.astype(np.float32)))
-            p["penalty_frequency"][:rows].copy_(torch.from_numpy(freq.astype(np.float32)))
-            p["penalty_presence"][:rows].copy_(torch.from_numpy(pres.astype(np.float32)))
-            width = p["penalty_token_ids"].shape[1]
+        if len(active) or "penalties" in dirty:
+            views["penalty_repetition"][:] = 1.0
+            views["penalty_frequency"][:] = 0.0
+            views["penalty_presence"][:] = 0.0
+            views["penalty_token_ids"][:] = -1
+            views["penalty_token_counts"][:] = 0
+            if len(active):
+                views["penalty_repetition"][:rows] = rep
+                views["penalty_frequency"][:rows] = freq
+                views["penalty_presence"][:rows] = pres
+            width = views["penalty_token_ids"].shape[1]
             for i in active:
-                req = self.requests[batch.req_ids[i]]
-                prompt = np.asarray(req.prompt_token_ids or [], dtype=np.int64)
-                output = np.asarray(batch.req_output_token_ids[i] or [], dtype=np.int64)
+                output = np.asarray(outputs[i] or (), dtype=np.int64)
                 output = output[output >= 0]
-                ids = np.unique(np.concatenate([prompt, output]))[:width]
-                counts = np.zeros(len(ids), dtype=np.int32)
+                prompt = consts[i].prompt_unique
                 if len(output):
                     out_ids, out_counts = np.unique(output, return_counts=True)
+                    ids = np.union1d(prompt, out_ids)[:width]
+                    counts = np.zeros(len(ids), dtype=np.int32)
                     counts[np.searchsorted(ids, out_ids).clip(max=len(ids) - 1)] = out_counts
-                p["penalty_token_ids"][i, : len(ids)] = torch.from_numpy(ids)
-                p["penalty_token_counts"][i, : len(ids)] = torch.from_numpy(counts)
-        if b > rows:  # padding rows: neutral already (filled above); nothing to sample
-            pass
+                else:
+                    ids, counts = prompt[:width], 0
+                views["penalty_token_ids"][i, : len(ids)] = ids
+                views["penalty_token_counts"][i, : len(ids)] = counts
+            self._mark(dirty, "penalties", active)
+
+    @staticmethod
+    def _mark(dirty: set, name: str, rows) -> None:
+        if len(rows):
+            dirty.add(name)
+        else:
+            dirty.discard(name)
 
     # ------------------------------------------------------------------ counting
     def _write_metrics(self, force: bool = False) -> None:
+        """Counters to ``NEURON_CONSTRAIN_VLLM_METRICS``: the step only sets a flag; a writer thread
+        rewrites the file (atomically) at most every ``_METRICS_PERIOD_S`` while steps run."""
         if self._nc_metrics_path is None:
             return
+        if force:
+            self._dump_metrics()
+            return
+        if self._nc_metrics_thread is None:
+            self._nc_metrics_thread = threading.Thread(target=self._metrics_loop, name="nc-metrics", daemon=True)
+            self._nc_metrics_thread.start()
+        self._nc_metrics_event.set()
+
+    def _metrics_loop(self) -> None:
+        while True:
+            self._nc_metrics_event.wait()
+            time.sleep(_METRICS_PERIOD_S)
+            self._nc_metrics_event.clear()
+            try:
+                self._dump_metrics()
+            except OSError as e:  # never take the engine down for a counters file
+                log.warning("neuron_constrain: could not write %s: %s", self._nc_metrics_path, e)
+
+    def _dump_metrics(self) -> None:
         data = {
             **self._nc_stats,
             "compilations": self.head.compilations,
             "compilations_after_warmup": self.head.compilations - (self._nc_warm_compilations or 0),
             "buckets": self.head.buckets,
-            "calls_per_bucket": {str(k): v for k, v in self.head.calls.items()},
+            "calls_per_bucket": {str(k): v for k, v in dict(self.head.calls).items()},
             "all_allowed_mask": self._nc_all_allowed,
             "pid": os.getpid(),
         }
@@ -288,6 +389,25 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         with open(tmp, "w") as f:
             json.dump(data, f)
         os.replace(tmp, self._nc_metrics_path)
+
+
+class _RequestConsts:
+    """What the head's per-request inputs need from a request's ``SamplingParams`` (fixed per request)."""
+
+    __slots__ = ("params", "min_tokens", "stops", "bias_ids", "bias_values", "min_p", "prompt_unique")
+
+    def __init__(self, params, prompt_token_ids):
+        self.params = params
+        self.min_tokens = int(params.min_tokens or 0)
+        self.stops = (np.asarray(sorted(params.all_stop_token_ids)[:MAX_STOP_TOKENS], dtype=np.int64)
+                      if self.min_tokens else None)
+        self.bias_ids = self.bias_values = None
+        if params.logit_bias:
+            items = list(params.logit_bias.items())[:MAX_BIAS_TOKENS]
+            self.bias_ids = np.asarray([int(t) for t, _ in items], dtype=np.int64)
+            self.bias_values = np.asarray([float(v) for _, v in items], dtype=np.float32)
+        self.min_p = float(params.min_p or 0.0)
+        self.prompt_unique = np.unique(np.asarray(prompt_token_ids or [], dtype=np.int64))
 
 
 class NeuronConstrainWorker(CPUWorker):

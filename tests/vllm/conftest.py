@@ -18,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT = 300  # seconds; an engine start is ~30-60 s on the shared 2-core machine
 REQUEST_TIMEOUT = 120
+METRICS_SETTLE = 0.25  # seconds; the worker writes its counters file at most ~50 ms after a step
 
 
 def free_port() -> int:
@@ -75,8 +76,14 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict:
+        """The plugin's counters: its writer thread rewrites the file ~50 ms after a step, so wait
+        until the file is older than METRICS_SETTLE (or a bound) before reading it."""
         import json
 
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and time.time() - self.metrics_path.stat().st_mtime < METRICS_SETTLE:
+            time.sleep(0.05)
+        time.sleep(METRICS_SETTLE)
         return json.loads(self.metrics_path.read_text())
 
     def alive(self) -> bool:
