@@ -27,7 +27,9 @@ the split's body run alone (eager: on one thread; XLA: dispatch + device time). 
 eager runs every torch op on one thread (``torch.set_num_threads(1)``; the pipelined
 body on its worker with ``body_threads=1``) so the fill has the other core; torch-xla
 runs on PJRT CPU with XLA's CPU thread pool limited the same way (``XLA_FLAGS``) and
-asynchronous dispatch. ``--quick``: a smaller model, fewer steps, XLA at batch 1 and 8.
+asynchronous dispatch, and the split cuts before the lm_head (``cut="hidden"``: a
+body returning ``[B, V]`` logits ran 2x slower than the whole unsplit step there).
+``--quick``: a smaller model, fewer steps, XLA at batch 1 and 8.
 """
 from __future__ import annotations
 
@@ -164,7 +166,8 @@ def measure(model, tokenizer, schemas, batch: int, backend: str, rounds: int, st
     width = runtimes[0].width
     neutral = torch.full((batch, width), -1, dtype=torch.int32)
     copies = [Transformed(copy.deepcopy(base.program), base.report) for _ in range(3)]  # a KV cache each
-    unsplit_u, unsplit_s, split = copies[0], copies[1], split_step(copies[2])
+    cut = "hidden" if backend == "xla" else "logits"  # on torch-xla's CPU client a [B, V] body output is slow
+    unsplit_u, unsplit_s, split = copies[0], copies[1], split_step(copies[2], cut=cut)
     if backend == "xla":
         import torch_xla
 
@@ -232,7 +235,7 @@ def measure(model, tokenizer, schemas, batch: int, backend: str, rounds: int, st
     fill, body = statistics.median(fills), statistics.median(bodies)
     bound = max(0.0, fill - body) / med["unconstrained"] + 0.02
     return {
-        "backend": backend, "batch": batch,
+        "backend": backend, "batch": batch, "cut": cut,
         "unconstrained_ms": 1e3 * med["unconstrained"], "serial_ms": 1e3 * med["serial"],
         "pipelined_ms": 1e3 * med["pipelined"], "fill_ms": 1e3 * fill, "body_ms": 1e3 * body,
         "serial_overhead": over["serial"], "pipelined_overhead": over["pipelined"],

@@ -115,8 +115,11 @@ class Split:
         return moved
 
 
-def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = None) -> Split:
+def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = None, *, cut: str = "logits") -> Split:
     """Cut ``transformed`` at its mask (:func:`split_at_mask_pass`).
+
+    ``cut``: ``"logits"`` (the body ends with the lm_head) or ``"hidden"`` (the lm_head
+    moves into the head; the last hidden rows cross the cut).
 
     ``head_inputs``: default the inputs the logit-mask and logits-processors passes
     added (tap inputs stay in the body: taps replace values inside the layers).
@@ -129,7 +132,7 @@ def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = Non
     if not head_inputs:
         raise TransformError("split_step: the program has no logit-mask or processor inputs; transform it with "
                              "logit_mask='packed' (or processors=...) first, or pass head_inputs=")
-    body, head, report = split_at_mask_pass(transformed.program, head_inputs)
+    body, head, report = split_at_mask_pass(transformed.program, head_inputs, cut=cut)
     names = set(head_inputs)
     body_t = Transformed(body, _partial_report(transformed.report, lambda n: n not in names, keep_outputs=False))
     head_t = Transformed(head, _partial_report(transformed.report, lambda n: n in names, keep_outputs=True))

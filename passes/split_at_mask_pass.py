@@ -30,6 +30,15 @@ returns the unsplit program's user outputs with the same pytree (``(tok, empty)`
 body values among them passed through, so ``head(*body(ids, pos), logit_mask=m)`` is
 the step; the body returns only the cut values (and its buffer mutations).
 
+``cut="hidden"`` moves the lm_head into the head: the head is seeded with the widest
+projection (the lm_head matmul) that feeds the mask, so the values crossing the cut
+are its input, the last hidden rows ``[B, H]`` (H / V of the bytes), and the head
+holds the lm_head weight. The body then ends at the final norm. Use it where shipping
+the logits costs more than the lm_head's share of the overlap window: on torch-xla's
+CPU client a body returning ``[B, V]`` logits ran 2x slower than the whole unsplit
+step (``benchmarks/bench_overlap.py``), while the layers alone still hide a fill of a
+millisecond. The default, ``cut="logits"``, keeps the lm_head in the body.
+
 Refused, with the reason: a KV-cache (buffer or input) write that depends on a head
 input, an in-place op in the head on a body value, a head input that is positional,
 a non-tensor value other than a size crossing the cut, and a program where no output
@@ -61,10 +70,12 @@ from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import TransformError
 from neuron_constrain.program import user_input_names
+from neuron_constrain.sites import projections
 
 __all__ = ["SplitReport", "split_at_mask_pass"]
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+CUTS = ("logits", "hidden")
 
 
 @dataclasses.dataclass
@@ -143,14 +154,60 @@ def _root_signature(inputs, outputs, in_spec, out_spec, arg_names) -> ModuleCall
     )
 
 
+def _classify(graph: torch.fx.Graph, head_set: set, spec_of: dict, seeds: set) -> tuple[set, set]:
+    """(head nodes: the head inputs, ``seeds`` and all that depends on them; stateful
+    nodes: depending on a user input or a buffer, so they must run in the body)."""
+    tainted: set[torch.fx.Node] = set()
+    stateful: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            if node in head_set:
+                tainted.add(node)
+            elif spec_of[node.name].kind in (InputKind.USER_INPUT, InputKind.BUFFER):
+                stateful.add(node)
+            continue
+        inputs = node.all_input_nodes
+        if node in seeds or any(i in tainted for i in inputs):
+            tainted.add(node)
+        elif any(i in stateful for i in inputs) or _mutated_args(node):
+            stateful.add(node)
+    return tainted, stateful
+
+
+def _lm_heads(graph: torch.fx.Graph, head: set) -> set[torch.fx.Node]:
+    """The lm_head matmuls: walking back from the head's nodes, the first projections
+    met (the widest of them, should a path bypass the lm_head)."""
+    candidates = set(projections(graph))
+    found, seen = set(), set(head)
+    frontier = list(head)
+    while frontier:
+        for node in frontier.pop().all_input_nodes:
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in candidates:
+                found.add(node)
+            elif node.op != "placeholder":
+                frontier.append(node)
+    if not found:
+        raise TransformError("split_at_mask: cut='hidden' found no lm_head projection feeding the mask; "
+                             "use cut='logits'")
+    widest = max(node.meta["val"].shape[-1] for node in found)
+    return {node for node in found if node.meta["val"].shape[-1] == widest}
+
+
 def _copy_nodes(graph: torch.fx.Graph, nodes, env: dict) -> None:
     for node in nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
 
 
 def split_at_mask_pass(
-    program: ExportedProgram, head_inputs: Sequence[str]
+    program: ExportedProgram, head_inputs: Sequence[str], *, cut: str = "logits"
 ) -> tuple[ExportedProgram, ExportedProgram, SplitReport]:
+    if cut not in CUTS:
+        raise TransformError(f"split_at_mask: cut={cut!r}; use one of {CUTS} (after the lm_head, or before it)")
     head_inputs = list(dict.fromkeys(head_inputs))
     user_inputs = user_input_names(program)
     if not head_inputs:
@@ -180,22 +237,9 @@ def split_at_mask_pass(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     by_name = {n.name: n for n in placeholders}
     head_set = {by_name[n] for n in head_inputs}
-    tainted: set[torch.fx.Node] = set()
-    stateful: set[torch.fx.Node] = set()  # depends on a user input or a buffer: must run in the body
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        if node.op == "placeholder":
-            if node in head_set:
-                tainted.add(node)
-            elif spec_of[node.name].kind in (InputKind.USER_INPUT, InputKind.BUFFER):
-                stateful.add(node)
-            continue
-        inputs = node.all_input_nodes
-        if any(i in tainted for i in inputs):
-            tainted.add(node)
-        elif any(i in stateful for i in inputs) or _mutated_args(node):
-            stateful.add(node)
+    tainted, stateful = _classify(graph, head_set, spec_of, seeds=set())
+    if cut == "hidden":
+        tainted, stateful = _classify(graph, head_set, spec_of, seeds=_lm_heads(graph, tainted))
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     for value, spec in zip(outs, sig.output_specs):

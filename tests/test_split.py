@@ -63,10 +63,11 @@ CASES = [("llama", False, True), ("llama", True, False), ("mixtral", False, Fals
          ("gpt_oss", False, False), ("gpt_oss", True, False)]
 
 
+@pytest.mark.parametrize("cut", ["logits", "hidden"])
 @pytest.mark.parametrize("arch, sampling, strict", CASES, ids=[f"{a}-{'sampling' if s else 'greedy'}" for a, s, _ in CASES])
-def test_split_equals_unsplit_over_a_decode(arch, sampling, strict):
+def test_split_equals_unsplit_over_a_decode(arch, sampling, strict, cut):
     unsplit = fresh(cached_step(arch, sampling, strict))
-    split = split_step(fresh(unsplit))
+    split = split_step(fresh(unsplit), cut=cut)
     state = processor_state(unsplit)
     generator = torch.Generator().manual_seed(0)
     ids = unsplit.program.example_inputs[0][0]
@@ -116,6 +117,24 @@ def test_the_cut_is_the_last_logits_and_the_head_is_small():
             "aten.scaled_dot_product_attention.default"}.isdisjoint(head_targets)
     assert "aten.sort.default" in head_targets and "aten.masked_fill.Scalar" in head_targets
     assert "cut" in report.summary() and "head" in report.summary()
+
+
+def test_cut_hidden_moves_the_lm_head_into_the_head():
+    transformed = cached_step("llama", True, False)
+    split = split_step(transformed, cut="hidden")
+    report = split.report
+    model = tiny_decoder("llama", vocab_size=PADDED)
+    hidden = model.config.hidden_size
+    assert [(c["dtype"], c["shape"][-1]) for c in report.cut] == [(torch.float32, hidden)]  # [B, 1, H], not [B, V]
+    (weight,) = report.head_state
+    assert weight.endswith("lm_head.weight")
+    assert report.head_bytes_in < split_step(transformed).report.head_bytes_in
+    head_targets = {str(n.target) for n in split.head.program.graph.nodes if n.op == "call_function"}
+    body_targets = {str(n.target) for n in split.body.program.graph.nodes if n.op == "call_function"}
+    assert "aten.linear.default" in head_targets and "aten.embedding.default" not in head_targets
+    assert "aten.index_copy_.default" in body_targets  # the KV-cache writes stay in the body
+    with pytest.raises(TransformError, match="cut='middle'"):
+        split_step(transformed, cut="middle")
 
 
 SUBPROCESS = r"""
