@@ -214,8 +214,9 @@ def measure(model, tokenizer, schemas, batch: int, backend: str, rounds: int, st
             for lane in lanes.values():
                 lane.start()
             for position in range(steps if round_ else 2):
-                for m, lane in lanes.items():  # interleaved: a burst of load hits all three alike
-                    seconds = lane.step(position)
+                names = list(lanes)[position % 3:] + list(lanes)[: position % 3]  # rotated: no fixed first
+                for m in names:  # interleaved: a burst of load hits all three alike
+                    seconds = lanes[m].step(position)
                     if round_ and position:  # position 0 pays the fresh requests' first fill
                         times[m].append(seconds)
             if round_:
@@ -256,11 +257,13 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--free-run", action="store_true",
                         help="accept the random model's own tokens instead of forcing the valid instances")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds of 10 steps (default 3; --quick 2)")
     parser.add_argument("--out", default="benchmarks/results/bench_overlap.json")
     args = parser.parse_args()
     global FORCED
     FORCED = not args.free_run
     config, rounds, steps = (QUICK, 2, 6) if args.quick else (FULL, 3, 10)
+    rounds = args.rounds or rounds
     torch.set_num_threads(1)  # the body's budget in every mode; the fill gets the other core
     tokenizer = from_mistral(mistral_data_file("tekken_240911.json"))
     schemas = load_schemas(tokenizer, SCHEMAS, limit=6)

@@ -101,13 +101,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a 2-layer 1024-token model, fewer repetitions")
     parser.add_argument("--backends", default="eager,inductor")
+    parser.add_argument("--steps", default="greedy,sampling")
+    parser.add_argument("--batches", default="8,64")
     parser.add_argument("--out", default="benchmarks/results/bench_processors.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     config, reps = (SMALL, 10) if args.quick else (LLAMA3, 20)
     model = decoder("llama", **config)
     rows = [measure(model, kind, batch, backend, reps)
-            for backend in args.backends.split(",") for kind in ("greedy", "sampling") for batch in (8, 64)]
+            for backend in args.backends.split(",") for kind in args.steps.split(",")
+            for batch in map(int, args.batches.split(","))]
     print(f"decode step: llama {config}, 1 token/row, static cache 128")
     print(f"{'backend':9} {'step':8} {'batch':>5} {'uncon ms':>9} {'mask ms':>8} {'4 on ms':>8} {'4/uncon med':>11} "
           f"{'min':>6} {'paired':>6} {'4/mask':>6} {'host us':>8}  in graph / pruned")

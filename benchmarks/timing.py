@@ -10,16 +10,20 @@ import torch
 
 
 def interleaved(runs: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Seconds per call of each candidate, ``reps`` rounds; each round calls all of them once."""
+    """Seconds per call of each candidate, ``reps`` rounds; each round calls all of them
+    once, in an order rotated by one each round, so no candidate always runs first or
+    right after the same other one."""
     times = {name: [] for name in runs}
+    names = list(runs)
     with torch.no_grad():
         for _ in range(warmup):
             for fn in runs.values():
                 fn()
-        for _ in range(reps):
-            for name, fn in runs.items():
+        for round_ in range(reps):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
                 start = time.perf_counter()
-                fn()
+                runs[name]()
                 times[name].append(time.perf_counter() - start)
     return times
 
