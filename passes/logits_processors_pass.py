@@ -10,7 +10,7 @@ Before (after the logit-mask pass)             After (processors = all four)
                                                    empty = logit_mask_empty | isneginf(amax(x[:, :V]))
                                                    tok = argmax(x, -1)           # greedy: nothing more
                                                    t = div(x, 0.8)
-                                                   y = masked_fill(t, t < amax(t) + log(min_p), -inf)
+                                                   y = where(t < amax(t) + log(min_p), -inf, t)
                                                    order = sort(y)               # sampling: min_p in front
 
 Where: at the mask point of :func:`neuron_constrain.sites.plan_mask_points` (after the

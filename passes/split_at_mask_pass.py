@@ -10,9 +10,9 @@ Before (one program)                         After
       h = layers(embed(ids), kv_cache)             h = layers(embed(ids), kv_cache)
       logits = linear(h, lm_head_w)                logits = linear(h, lm_head_w)
       last = select(logits, 1, -1)                 last = select(logits, 1, -1)
-      m = masked_fill(last, ~unpack(mask))         return (last,)
+      m = where(unpack(mask), last, -inf)          return (last,)
       x = processors(m, **procs)               head(select, *, logit_mask, **procs) -> step's outputs
-      tok = argmax(x, -1)                          m = masked_fill(select, ~unpack(logit_mask))
+      tok = argmax(x, -1)                          m = where(unpack(logit_mask), select, -inf)
       empty = all(logit_mask == 0, -1)             x = processors(m, **procs)
       return (tok, empty)                          return (argmax(x, -1), all(logit_mask == 0, -1))
 
