@@ -181,7 +181,8 @@ def test_both_halves_save_load_and_run_without_the_library(tmp_path):
 # ----------------------------------------------------------------------------- XLA
 
 
-def test_each_half_compiles_once_on_xla_and_the_head_takes_logits_and_mask():
+@pytest.mark.parametrize("cut_at", ["logits", "hidden"])
+def test_each_half_compiles_once_on_xla_and_the_head_takes_the_cut_and_mask(cut_at):
     torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
     import torch_xla.debug.metrics as met
 
@@ -189,7 +190,7 @@ def test_each_half_compiles_once_on_xla_and_the_head_takes_logits_and_mask():
 
     transformed = fresh(cached_step("llama", False, True))
     cpu = fresh(transformed)
-    split = split_step(transformed)
+    split = split_step(transformed, cut=cut_at)
     on_xla = split.to()  # materialises the moved state (one small graph): then count
     device = torch_xla.device()
     generator = torch.Generator().manual_seed(2)
@@ -213,7 +214,9 @@ def test_each_half_compiles_once_on_xla_and_the_head_takes_logits_and_mask():
     assert counts == [1] + [2] * 7, f"compilations after each body / head call: {counts}"
     # lowering traces lazily and leaves pending tensors behind: after the count
     params = {p.name: (p.dtype, p.shape) for p in lower(split.head).parameters if p.name}
-    assert params[split.report.cut[0]["name"]] == ("f32", (BATCH, PADDED))  # the logits
+    hidden = transformed.program.state_dict["cached.model.model.embed_tokens.weight"].shape[1]
+    want = (BATCH, PADDED) if cut_at == "logits" else (BATCH, 1, hidden)  # the logits, or the last hidden rows
+    assert params[split.report.cut[0]["name"]] == ("f32", want)
     assert params["logit_mask"] == ("s32", (BATCH, 32))
     body_params = {p.name for p in lower(split.body).parameters}
     assert "logit_mask" not in body_params and "input_ids" in body_params
