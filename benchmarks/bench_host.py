@@ -103,7 +103,7 @@ def run(batch: int, steps: int, tok, warm, *, threads: int, constrained_share: f
         step_total, step_fill = runtime.last_step_seconds, runtime.last_fill_seconds
         if shuffle:  # each row's fill alone (same states, into a scratch buffer): what 2 threads could reach
             costs = []
-            for matcher, row in zip(runtime._plan[2], runtime._plan[3]):
+            for matcher, row in zip(runtime._plan.matchers, runtime._plan.fill_rows):
                 tick = time.perf_counter()
                 matcher.fill_next_token_bitmask(staging, row)
                 costs.append(time.perf_counter() - tick)

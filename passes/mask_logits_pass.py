@@ -5,7 +5,7 @@ Before (greedy step)                      After (mask_format="packed", V=1000, l
     last = select(logits, 1, -1)              logits = linear(h, lm_head_w)
     tok = argmax(last, -1)                    last = select(logits, 1, -1)
     return (tok,)                             bits = ne(bitwise_and(unsqueeze(logit_mask, -1), 1 << arange(32)), 0)
-                                              allowed = pad(view(bits, [B, 1024])[:, :1000], 24, False)
+                                              allowed = cat(view(bits, [B, 1024])[:, :1000], zeros(B, 24))
                                               masked = where(allowed, last, -inf)
                                               tok = argmax(masked, -1)
                                               empty = all(eq(bitwise_and(logit_mask, valid_words), 0), -1)

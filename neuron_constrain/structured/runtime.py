@@ -93,6 +93,26 @@ class _Request:
     unenforced: tuple = ()  # keywords.Unenforced the engine accepted but does not enforce (opt-in)
 
 
+@dataclasses.dataclass(slots=True)
+class _Layout:
+    """One batch laid out in the buffer (``StructuredRuntime._layout``), reused by ``step``
+    and ``accept_rows`` while ``version`` and ``key`` (the batch) are the runtime's."""
+
+    version: int
+    key: tuple
+    rows: int  # mask rows, drafts included
+    matchers: list  # live constrained rows: filled every step, accepted in one batch call
+    fill_rows: list[int]  # their mask rows
+    positions: list[int]  # their positions in the batch
+    requests: list[_Request]
+    others: list[int]  # positions of unconstrained and finished requests: accepted one by one
+    draft_seconds: float  # the engine's time filling draft rows while laying the batch out
+    every_row_live: bool = dataclasses.field(init=False)  # then the batch's tokens are the live tokens
+
+    def __post_init__(self):
+        self.every_row_live = len(self.positions) == len(self.key)
+
+
 class _WithInfo:
     """A tokenizer seen with a user-built (audited) tokenizer info."""
 
@@ -184,11 +204,9 @@ class StructuredRuntime:
         self._stop_words = self._stop_row.numpy()
         self._requests: dict[Hashable, _Request] = {}
         # The last step's layout, reused while the batch and every request's state are unchanged
-        # (a decode loop's usual case): (state version, batch, fill matchers, fill rows, rows,
-        # accept plan). ``_version`` moves on every join, leave, compilation end and finish.
-        self._plan: tuple | None = None
+        # (a decode loop's usual case). ``_version`` moves on every join, leave, compilation end and finish.
+        self._plan: _Layout | None = None
         self._version = 0
-        self._draft_seconds = 0.0
         self._decoded: list[bytes] | None = None
         self.last_step_seconds = 0.0  # whole step(): layout + fills + hand-off
         self.last_fill_seconds = 0.0  # the engine's fill_next_token_bitmask / accept / rollback inside it
@@ -386,10 +404,10 @@ class StructuredRuntime:
             self.last_step_seconds, self.last_fill_seconds = clock() - start, 0.0
             return None
         plan, key = self._plan, tuple(batch)
-        if drafts or plan is None or plan[0] != self._version or plan[1] != key:
+        if drafts or plan is None or plan.version != self._version or plan.key != key:
             plan = self._layout(batch, key, drafts)
-        fill_matchers, fill_rows = plan[2], plan[3]
-        fill_seconds = self._draft_seconds if drafts else 0.0
+        fill_matchers, fill_rows = plan.matchers, plan.fill_rows
+        fill_seconds = plan.draft_seconds
         if fill_matchers:
             tick = clock()
             if len(fill_matchers) == 1:  # the matcher directly: the batch API costs ~65 us for one row
@@ -400,19 +418,18 @@ class StructuredRuntime:
             else:  # one call: the engine fills the rows on fill_threads threads, GIL released
                 self.engine.batch_fill(fill_matchers, self.buffer, fill_rows)
             fill_seconds += clock() - tick
-        view = self._views[plan[4]]
+        view = self._views[plan.rows]
         self.last_fill_seconds = fill_seconds
         self.last_step_seconds = clock() - start
         return view
 
-    def _layout(self, batch: Sequence[Hashable], key: tuple, drafts) -> tuple:
+    def _layout(self, batch: Sequence[Hashable], key: tuple, drafts) -> _Layout:
         """Lay ``batch`` out in the buffer: write the rows that do not change while the
-        layout holds (-1 rows, stop-only rows), fill draft rows, and return the plan
+        layout holds (-1 rows, stop-only rows), fill draft rows, and return the layout
         ``step`` and ``accept_rows`` reuse (kept as ``self._plan`` when there are no drafts)."""
         requests, buffer, all_allowed, words = self._requests, self.buffer, self._all_allowed, self._words
-        self._plan, self._draft_seconds, row = None, 0.0, 0
-        fill_matchers, fill_rows = [], []
-        live, others = [], []  # accept plan: (position, request, matcher) rows batched, positions one by one
+        self._plan, draft_seconds, row = None, 0.0, 0
+        fill_matchers, fill_rows, positions, live_requests, others = [], [], [], [], []
         for position, request_id in enumerate(batch):
             request = requests.get(request_id)
             if request is None:
@@ -430,7 +447,7 @@ class StructuredRuntime:
                             buffer[r].fill_(-1)
                             all_allowed[r] = 1
                 else:
-                    self._draft_seconds += self._fill(request_id, request, row, draft)
+                    draft_seconds += self._fill(request_id, request, row, draft)
                     for r in range(row, end):
                         all_allowed[r] = 0
                 row = end
@@ -451,13 +468,12 @@ class StructuredRuntime:
                 fill_matchers.append(matcher)
                 fill_rows.append(row)
                 all_allowed[row] = 0
-                live.append((position, request, matcher))
+                positions.append(position)
+                live_requests.append(request)
             row += 1
         if len(set(batch)) != len(batch):
             raise BatchLayoutError(f"the batch {list(batch)} names a request twice; each request owns one slot")
-        every_row_live = len(live) == len(batch)
-        accept_plan = ([p for p, _, _ in live], [r for _, r, _ in live], [m for _, _, m in live], others, every_row_live)
-        plan = (self._version, key, fill_matchers, fill_rows, row, accept_plan)
+        plan = _Layout(self._version, key, row, fill_matchers, fill_rows, positions, live_requests, others, draft_seconds)
         if not drafts:
             self._plan = plan
         return plan
@@ -568,10 +584,10 @@ class StructuredRuntime:
         if len(values) != len(batch):
             raise BatchLayoutError(f"{len(values)} tokens for a batch of {len(batch)} requests; pass one token per request")
         plan, key = self._plan, tuple(batch)
-        if plan is None or plan[0] != self._version or plan[1] != key:
+        if plan is None or plan.version != self._version or plan.key != key:
             plan = self._layout(batch, key, None)  # the layout step() would use; nothing is filled
-        positions, live_requests, live_matchers, others, every_row_live = plan[5]
-        live_tokens = values if every_row_live else [values[p] for p in positions]
+        positions, live_requests, live_matchers, others = plan.positions, plan.requests, plan.matchers, plan.others
+        live_tokens = values if plan.every_row_live else [values[p] for p in positions]
         finished, xgrammar_seconds = [], 0.0
         if others:  # unconstrained and finished rows: one by one (cheap: no grammar)
             requests = self._requests
