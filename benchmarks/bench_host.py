@@ -3,8 +3,9 @@ on the real Tekken tokenizer (131072 tokens, mistral-common's tekken_240911.json
 
     python benchmarks/bench_host.py [--steps 40] [--batches 1 8 32 64]
 
-For each batch every request is a JSON-schema request walked through a valid instance
-by teacher forcing (requests finish and new ones join in the freed row, as ``generate``
+For each batch every request is a JSON-schema request on one of 8 real schemas from
+MaskBench's development sample (``grammar_states.load_schemas``: tool calls, configs,
+API objects), walked through a valid instance of it by teacher forcing (requests finish and new ones join in the freed row, as ``generate``
 and vLLM's persistent batch keep rows), once with one fill thread and once with two (the
 same token sequence), then once more with every request moved to another row every step
 (``shuffled``: the runtime re-lays the batch out each step; the worst case, reported next
@@ -39,19 +40,9 @@ import time
 import torch
 
 from neuron_constrain import structured as S
+from grammar_states import SCHEMAS, load_schemas, tekken
 
-SCHEMAS = [
-    ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                       "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
-      "required": ["name", "age", "tags"]},
-     {"name": "Ada Lovelace", "age": 36, "tags": ["red", "blue"]}),
-    ({"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}, "note": {"type": "string"}},
-                                 "required": ["id", "ok"]}},
-     [{"id": 1, "ok": True, "note": "first item here"}, {"id": 22, "ok": False}]),
-    ({"type": "object", "properties": {"location": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-      "required": ["location", "unit"]},
-     {"location": "San Francisco, CA", "unit": "fahrenheit", "days": 7}),
-]
+LIMIT = 8  # real schemas (grammar_states.SCHEMAS first: tool calls, configs, API objects)
 
 
 def seeds_unpack(compact: torch.Tensor, slots: list[int], rows: int, vocab_size: int) -> torch.Tensor:
@@ -72,20 +63,20 @@ def two_thread_makespan(costs: list[float]) -> float:
     return max(loads)
 
 
-def run(batch: int, steps: int, tok, warm, *, threads: int, constrained_share: float = 1.0, seed: int = 0,
+def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained_share: float = 1.0, seed: int = 0,
         shuffle: bool = False) -> dict:
     runtime = S.StructuredRuntime(tok, max_rows=batch, fill_threads=threads)
     runtime._compiled = warm._compiled  # grammars compiled once up front (seconds each at 131k tokens)
     rng = random.Random(seed)
-    forced = [tok.encode(json.dumps(instance, separators=(",", ":"))) + [tok.eos_id] for _, instance in SCHEMAS]
+    forced = [tokens + [tok.eos_id] for _, _, tokens in schemas]
     state, next_id = {}, 0
 
     def join(scatter: bool):
         """A new request; the first batch starts at scattered points of its instance."""
         nonlocal next_id
-        kind = rng.randrange(len(SCHEMAS))
+        kind = rng.randrange(len(schemas))
         constrained = rng.random() < constrained_share
-        runtime.add(next_id, S.json_schema(SCHEMAS[kind][0]) if constrained else None)
+        runtime.add(next_id, schemas[kind][1] if constrained else None)
         start = rng.randrange(len(forced[kind]) - 1) if scatter else 0
         runtime.accept(next_id, forced[kind][:start])
         state[next_id] = (kind, start, constrained)
@@ -156,28 +147,33 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    tok = S.from_mistral(S.mistral_data_file("tekken_240911.json"))
+    tok = tekken()
+    schemas = load_schemas(tok, SCHEMAS, LIMIT)
     warm = S.StructuredRuntime(tok, max_rows=1)
-    for index, (schema, _) in enumerate(SCHEMAS):
-        warm.add(index, S.json_schema(schema))
-    while len(warm.wait()) < len(SCHEMAS):
+    for index, (_, constraint, _) in enumerate(schemas):
+        warm.add(index, constraint)
+    while len(warm.wait()) < len(schemas):
         pass
     setup = time.perf_counter() - start
     vocab = tok.vocab_size
     width = (vocab + 31) // 32
     bytes_packed, bytes_seeds = 4 * width, vocab
-    print(f"Tekken V={vocab} ({os.cpu_count()} cores): tokenizer + {len(SCHEMAS)} grammars in {setup:.1f}s; "
+    print(f"Tekken V={vocab} ({os.cpu_count()} cores): tokenizer + {len(schemas)} grammars in {setup:.1f}s "
+          f"({', '.join(name for name, _, _ in schemas)}); "
           f"bytes per row sent: packed {bytes_packed} ({bytes_packed / 1024:.1f} KiB) vs seeds' bool {bytes_seeds} "
           f"({bytes_seeds / 1024:.1f} KiB), {bytes_seeds / bytes_packed:.1f}x fewer")
     results, summary = [], {}
     for share in (1.0, 0.5):
         for batch in args.batches:
-            pair = {t: run(batch, args.steps, tok, warm, threads=t, constrained_share=share) for t in (1, 2)}
-            shuffled = run(batch, args.steps, tok, warm, threads=1, constrained_share=share, shuffle=True)
+            pair = {t: run(batch, args.steps, tok, warm, schemas, threads=t, constrained_share=share) for t in (1, 2)}
+            shuffled = run(batch, args.steps, tok, warm, schemas, threads=1, constrained_share=share, shuffle=True)
             results += [*pair.values(), shuffled]
             one, two = pair[1]["median_us"], pair[2]["median_us"]
             speedup = one["fill"] / two["fill"] if two["fill"] else None
             ratio = pair[1]["ours_over_fill"]
+            if ratio is None:  # no constrained row in this batch (a mixed batch of one)
+                print(f"batch {batch:3d} constrained {share:4.0%}: no constrained row drawn; ours {pair[1]['median_us']['ours']:5.1f} us")
+                continue
             print(f"batch {batch:3d} constrained {share:4.0%}: fill 1 thread {one['fill']:8.1f} us  2 threads "
                   f"{two['fill']:8.1f} us  ({speedup:.2f}x; rows alone {shuffled['two_thread_bound_speedup']}x)  ours "
                   f"{one['ours']:5.1f} / {two['ours']:5.1f} us  ours/fill {ratio:.3f}  shuffled: ours "
@@ -199,6 +195,7 @@ def main() -> int:
     payload = {
         "benchmark": "bench_host",
         "tokenizer": "tekken_240911.json",
+        "schemas": [name for name, _, _ in schemas],
         "vocab_size": vocab,
         "cores": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),  # other work on the same cores: parallel fill needs idle ones

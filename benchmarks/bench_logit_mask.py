@@ -8,7 +8,12 @@ eager and compiled with inductor. Candidates, all on the same inputs, interleave
 rep by rep (``timing.interleaved``), so machine noise hits them alike:
 
     unconstrained   the exported step
-    constrained     the rewritten step with a packed grammar mask (5% of tokens allowed)
+    constrained     the rewritten step with one real decode step's packed grammar masks
+                    (``grammar_states.grammar_masks``: rows at different states of real
+                    schemas on Tekken's vocabulary, its text tokens as the columns)
+    random          the same step with a random mask, 50% of tokens allowed: the worst
+                    case for eager CPU, whose ``where`` branches per element (measured:
+                    3-5x slower on such a mask than on a grammar's long runs)
     split           the rewritten step cut at the mask (body, then head): split + compose
 
 Reported: ratio of medians and of minima, and the median of per-round ratios
@@ -24,10 +29,11 @@ import time
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.kernels import pack_bool_mask
+from neuron_constrain.kernels import pack_bool_mask, unpack_bitmask
 from neuron_constrain.pipeline import split_step
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
+from grammar_states import grammar_masks
 from timing import interleaved, median_ms, ratio, write_results
 
 
@@ -35,7 +41,7 @@ def paired(times: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def measure(model, batch: int, backend: str, reps: int) -> dict:
+def measure(model, batch: int, backend: str, reps: int, mask: torch.Tensor) -> dict:
     vocab = model.config.vocab_size
     program, args = export_decode_step(model, batch)
     start = time.perf_counter()
@@ -43,9 +49,9 @@ def measure(model, batch: int, backend: str, reps: int) -> dict:
     transform_s = time.perf_counter() - start
     split = split_step(transformed)
     generator = torch.Generator().manual_seed(0)
-    allowed = torch.rand(batch, vocab, generator=generator) < 0.05
+    allowed = torch.rand(batch, vocab, generator=generator) < 0.5
     allowed[:, 0] = True
-    mask = pack_bool_mask(allowed)
+    random_mask = pack_bool_mask(allowed)
     plain = compiled(program.module(), backend)
     rewritten = compiled(transformed.graph_module, backend)
     body, head = compiled(split.body.graph_module, backend), compiled(split.head.graph_module, backend)
@@ -57,7 +63,10 @@ def measure(model, batch: int, backend: str, reps: int) -> dict:
     def composed():
         return strip_added_outputs(head(*body(*args), logit_mask=mask), report)
 
-    runs = {"unconstrained": lambda: plain(*args), "constrained": constrained, "split": composed}
+    def random():
+        return strip_added_outputs(rewritten(*args, logit_mask=random_mask), report)
+
+    runs = {"unconstrained": lambda: plain(*args), "constrained": constrained, "random": random, "split": composed}
     times = interleaved(runs, reps, warmup=2)
     ms = median_ms(times)
     return {
@@ -65,9 +74,13 @@ def measure(model, batch: int, backend: str, reps: int) -> dict:
         "backend": backend,
         "unconstrained_ms": ms["unconstrained"],
         "constrained_ms": ms["constrained"],
+        "random_ms": ms["random"],
+        "mask_allowed_fraction": unpack_bitmask(mask, vocab).float().mean().item(),
         "split_ms": ms["split"],
         "constrained/unconstrained": {**ratio(times, "constrained", "unconstrained"),
                                       "paired": paired(times, "constrained", "unconstrained")},
+        "random/unconstrained": {**ratio(times, "random", "unconstrained"),
+                                 "paired": paired(times, "random", "unconstrained")},
         "split/constrained": {**ratio(times, "split", "constrained"), "paired": paired(times, "split", "constrained")},
         "transform_s": transform_s,
         "head_ops": split.report.head_ops,
@@ -88,15 +101,18 @@ def main() -> None:
     reps = args.reps or reps
     torch.manual_seed(0)
     model = decoder("llama", **config)
-    rows = [measure(model, batch, backend, reps) for backend in args.backends.split(",")
-            for batch in map(int, args.batches.split(","))]
+    batches = list(map(int, args.batches.split(",")))
+    masks = grammar_masks(max(batches), config["vocab_size"])
+    rows = [measure(model, batch, backend, reps, masks[:batch]) for backend in args.backends.split(",")
+            for batch in batches]
     print(f"decode step: llama {config}, 1 token/row, static cache 128")
     print(f"{'backend':9} {'batch':>5} {'uncon ms':>9} {'con ms':>9} {'con/uncon med':>13} {'min':>6} {'paired':>6}"
-          f" {'split ms':>9} {'split/con med':>13} {'paired':>6}")
+          f" {'random/uncon':>12} {'paired':>6} {'split ms':>9} {'split/con med':>13} {'paired':>6}")
     for r in rows:
-        c, s = r["constrained/unconstrained"], r["split/constrained"]
+        c, s, q = r["constrained/unconstrained"], r["split/constrained"], r["random/unconstrained"]
         print(f"{r['backend']:9} {r['batch']:5d} {r['unconstrained_ms']:9.2f} {r['constrained_ms']:9.2f} "
-              f"{c['ratio_median']:13.3f} {c['ratio_min']:6.3f} {c['paired']:6.3f} {r['split_ms']:9.2f} "
+              f"{c['ratio_median']:13.3f} {c['ratio_min']:6.3f} {c['paired']:6.3f} "
+              f"{q['ratio_median']:12.3f} {q['paired']:6.3f} {r['split_ms']:9.2f} "
               f"{s['ratio_median']:13.3f} {s['paired']:6.3f}")
     write_results({"config": config, "steps": rows, "targets": {"constrained/unconstrained": 1.02, "split/constrained": 1.01}},
                   args.out)

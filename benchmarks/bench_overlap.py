@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -48,84 +46,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 import torch  # noqa: E402
 
 import neuron_constrain as nc  # noqa: E402
-from neuron_constrain import structured as S  # noqa: E402
 from neuron_constrain.pipeline import PipelinedStep, split_step  # noqa: E402
-from neuron_constrain.structured.runtime import BatchLayoutError, StructuredRuntime  # noqa: E402
-from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file  # noqa: E402
+from neuron_constrain.structured.runtime import StructuredRuntime  # noqa: E402
 from neuron_constrain.transform import Transformed  # noqa: E402
 from decode_steps import decoder, export_decode_step  # noqa: E402
+from grammar_states import SCHEMAS, load_schemas, start_requests, tekken  # noqa: E402
 from timing import write_results  # noqa: E402
 
-DATA = pathlib.Path("/work/shared/data/maskbench-dev")
-SCHEMAS = (  # several sources and shapes: tool calls, configs, API objects
-    "Github_easy---o9967.json", "Glaiveai2K---send_email_f5af728d.json", "BFCL_simple_86.json",
-    "JsonSchemaStore---zcodeformat-schema-0.0.1.json", "Kubernetes_1.json", "Snowplow_1.json", "JME_89.json",
-    "BFCL_parallel_90.json",
-)
 FORCED = True  # set by --free-run
 FULL = dict(vocab_size=131072, hidden_size=256, layers=4, intermediate_size=512)
 QUICK = dict(vocab_size=131072, hidden_size=128, layers=2, intermediate_size=256)
-
-
-def load_schemas(tokenizer, names, limit: int) -> list[tuple[str, S.Constraint, list[int]]]:
-    """(name, constraint, tokens of a valid instance) for the first ``limit`` usable files."""
-    found = []
-    runtime = StructuredRuntime(tokenizer, max_rows=1, fill_threads=1)
-    files = [DATA / n for n in names if (DATA / n).exists()] + sorted(DATA.glob("*.json"))
-    for path in dict.fromkeys(files):
-        if len(found) == limit:
-            break
-        doc = json.loads(path.read_text())
-        valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
-        if not valid:
-            continue
-        text = json.dumps(valid[0], separators=(",", ":"), ensure_ascii=False)
-        try:
-            constraint = S.json_schema(doc["schema"], strict=False, unenforced="allow")
-        except Exception:  # noqa: BLE001 - a schema this engine refuses: take the next
-            continue
-        tokens = tokenizer.encode(text)
-        if not accepts_whole(runtime, constraint, tokens):
-            continue  # this instance breaks a keyword xgrammar enforces differently: take the next file
-        found.append((path.name, constraint, tokens))
-    runtime.close()
-    return found
-
-
-def accepts_whole(runtime, constraint, tokens) -> bool:
-    """The instance's tokens, then the stop token, are all accepted by ``constraint``."""
-    try:
-        runtime.add("probe", constraint, timeout=120)
-        runtime.wait(["probe"], timeout=120)
-        runtime.accept("probe", tokens + [runtime.tokenizer.eos_id])
-        return runtime.finished("probe")
-    except Exception:  # noqa: BLE001 - refused token, failed compile: not usable
-        return False
-    finally:
-        runtime.remove("probe")
-
-
-def start_requests(runtime, schemas, batch: int) -> list:
-    """Fresh requests at their start states (compiled grammars come from the runtime's cache)."""
-    ids = [("r", i) for i in range(batch)]
-    for request in ids:
-        try:
-            runtime.remove(request)
-        except BatchLayoutError:  # not added yet
-            pass
-    for i, request in enumerate(ids):
-        runtime.add(request, schemas[i % len(schemas)][1], timeout=300)
-    deadline = time.perf_counter() + 600
-    while len(runtime.ready(ids)) < batch:
-        if time.perf_counter() > deadline:
-            raise TimeoutError("grammars did not compile within 600 s")
-        runtime.wait(ids, timeout=10)
-    cursors = []
-    for i, request in enumerate(ids):
-        tokens = schemas[i % len(schemas)][2]
-        cursors.append((7 * i) % max(1, len(tokens) - 1))
-        runtime.accept(request, tokens[: cursors[-1]])
-    return ids, cursors
 
 
 class Lane:
@@ -265,7 +195,7 @@ def main() -> int:
     config, rounds, steps = (QUICK, 2, 6) if args.quick else (FULL, 3, 10)
     rounds = args.rounds or rounds
     torch.set_num_threads(1)  # the body's budget in every mode; the fill gets the other core
-    tokenizer = from_mistral(mistral_data_file("tekken_240911.json"))
+    tokenizer = tekken()
     schemas = load_schemas(tokenizer, SCHEMAS, limit=6)
     print(f"Tekken ({tokenizer.vocab_size} tokens), {len(schemas)} schemas: {', '.join(s[0] for s in schemas)}")
     model = decoder("llama", **{**config, "vocab_size": tokenizer.vocab_size})

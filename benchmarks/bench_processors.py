@@ -8,8 +8,11 @@ is pruned, three processors run) and sampling (``SamplingStep``'s top-k/top-p ra
 all four), eager and inductor. Candidates, on the same inputs, interleaved rep by rep:
 
     unconstrained  the exported step
-    mask           transform(program): the logit-mask pass only (a packed grammar mask)
+    mask           transform(program): the logit-mask pass only, with one real decode
+                   step's packed grammar masks (``grammar_states.grammar_masks``)
     all_four       transform(program, processors=[...4]), every row using every processor
+    all_four_random  the same with a random mask, 50% of tokens allowed (the worst case
+                   for eager CPU's per-element branching ``where``)
 
 Headline: all_four / unconstrained (target <= 1.05), ratio of medians, of minima, and
 the median of per-round ratios (``paired``, which resists bursts of load on a shared
@@ -28,6 +31,7 @@ from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
+from grammar_states import grammar_masks
 from timing import interleaved, median_ms, ratio, write_results
 
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
@@ -55,7 +59,7 @@ def paired(times: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def measure(model, kind: str, batch: int, backend: str, reps: int) -> dict:
+def measure(model, kind: str, batch: int, backend: str, reps: int, mask: torch.Tensor) -> dict:
     vocab = model.config.vocab_size
     program, args = export_decode_step(model, batch, sampling=kind == "sampling")
     masked = nc.transform(program, vocab_size=vocab)
@@ -66,7 +70,7 @@ def measure(model, kind: str, batch: int, backend: str, reps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
     allowed = torch.rand(batch, vocab, generator=generator) < 0.5
     allowed[:, EOS] = True
-    mask = pack_bool_mask(allowed)
+    random_mask = pack_bool_mask(allowed)
     inputs = state.inputs()
     plain = compiled(program.module(), backend)
     mask_only, all_four = compiled(masked.graph_module, backend), compiled(processed.graph_module, backend)
@@ -74,6 +78,8 @@ def measure(model, kind: str, batch: int, backend: str, reps: int) -> dict:
         "unconstrained": lambda: plain(*args),
         "mask": lambda: strip_added_outputs(mask_only(*args, logit_mask=mask), masked.report),
         "all_four": lambda: strip_added_outputs(all_four(*args, logit_mask=mask, **inputs), processed.report),
+        "all_four_random": lambda: strip_added_outputs(all_four(*args, logit_mask=random_mask, **inputs),
+                                                       processed.report),
     }
     times = interleaved(runs, reps, warmup=2)
     host = []
@@ -89,6 +95,8 @@ def measure(model, kind: str, batch: int, backend: str, reps: int) -> dict:
         "processors_in_graph": site["processors"], "pruned": site["pruned"],
         "ms": median_ms(times),
         "all_four/unconstrained": {**ratio(times, "all_four", "unconstrained"), "paired": paired(times, "all_four", "unconstrained")},
+        "all_four_random/unconstrained": {**ratio(times, "all_four_random", "unconstrained"),
+                                          "paired": paired(times, "all_four_random", "unconstrained")},
         "all_four/mask": {**ratio(times, "all_four", "mask"), "paired": paired(times, "all_four", "mask")},
         "mask/unconstrained": {**ratio(times, "mask", "unconstrained"), "paired": paired(times, "mask", "unconstrained")},
         "host_update_us": 1e6 * statistics.median(host),
@@ -108,16 +116,19 @@ def main() -> None:
     torch.manual_seed(0)
     config, reps = (SMALL, 10) if args.quick else (LLAMA3, 20)
     model = decoder("llama", **config)
-    rows = [measure(model, kind, batch, backend, reps)
+    batches = list(map(int, args.batches.split(",")))
+    masks = grammar_masks(max(batches), config["vocab_size"], always_allowed=EOS)
+    rows = [measure(model, kind, batch, backend, reps, masks[:batch])
             for backend in args.backends.split(",") for kind in args.steps.split(",")
-            for batch in map(int, args.batches.split(","))]
+            for batch in batches]
     print(f"decode step: llama {config}, 1 token/row, static cache 128")
     print(f"{'backend':9} {'step':8} {'batch':>5} {'uncon ms':>9} {'mask ms':>8} {'4 on ms':>8} {'4/uncon med':>11} "
-          f"{'min':>6} {'paired':>6} {'4/mask':>6} {'host us':>8}  in graph / pruned")
+          f"{'min':>6} {'paired':>6} {'random':>6} {'paired':>6} {'4/mask':>6} {'host us':>8}  in graph / pruned")
     for r in rows:
-        ms, a = r["ms"], r["all_four/unconstrained"]
+        ms, a, q = r["ms"], r["all_four/unconstrained"], r["all_four_random/unconstrained"]
         print(f"{r['backend']:9} {r['step']:8} {r['batch']:5d} {ms['unconstrained']:9.2f} {ms['mask']:8.2f} "
               f"{ms['all_four']:8.2f} {a['ratio_median']:11.3f} {a['ratio_min']:6.3f} {a['paired']:6.3f} "
+              f"{q['ratio_median']:6.3f} {q['paired']:6.3f} "
               f"{r['all_four/mask']['ratio_median']:6.3f} {r['host_update_us']:8.0f}  "
               f"{','.join(r['processors_in_graph'])} / {','.join(r['pruned']) or '-'}")
     write_results({"config": config, "steps": rows, "target_ratio": 1.05}, args.out)

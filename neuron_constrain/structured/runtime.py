@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
+import operator
 import os
 import threading
 import time
@@ -81,7 +83,7 @@ class GrammarFailedError(ConstraintError):
         self.request_id = request_id
 
 
-@dataclasses.dataclass(slots=True)  # slots: fewer memory reads per row on the per-step path
+@dataclasses.dataclass(slots=True, eq=False)  # slots: fewer memory reads per row; eq=False: identity
 class _Request:
     constraint: Constraint | None
     matcher: object | None = None  # the engine's matcher once the grammar is ready
@@ -91,6 +93,10 @@ class _Request:
     timeout: float = 0.0
     error: ConstraintError | None = None
     unenforced: tuple = ()  # keywords.Unenforced the engine accepted but does not enforce (opt-in)
+
+
+_MATCHER, _FINISHED = operator.attrgetter("matcher"), operator.attrgetter("finished")
+_NONES = itertools.repeat(None)
 
 
 @dataclasses.dataclass(slots=True)
@@ -427,6 +433,8 @@ class StructuredRuntime:
         """Lay ``batch`` out in the buffer: write the rows that do not change while the
         layout holds (-1 rows, stop-only rows), fill draft rows, and return the layout
         ``step`` and ``accept_rows`` reuse (kept as ``self._plan`` when there are no drafts)."""
+        if not drafts:
+            return self._layout_one_row_each(batch, key)
         requests, buffer, all_allowed, words = self._requests, self.buffer, self._all_allowed, self._words
         self._plan, draft_seconds, row = None, 0.0, 0
         fill_matchers, fill_rows, positions, live_requests, others = [], [], [], [], []
@@ -471,12 +479,63 @@ class StructuredRuntime:
                 positions.append(position)
                 live_requests.append(request)
             row += 1
+        self._check_distinct(batch)
+        return _Layout(self._version, key, row, fill_matchers, fill_rows, positions, live_requests, others, draft_seconds)
+
+    def _layout_one_row_each(self, batch: Sequence[Hashable], key: tuple) -> _Layout:
+        """``_layout`` without drafts: request ``i`` owns row ``i``. One pass sorts the
+        requests into live rows and the rest (the per-step cost when requests join and
+        finish every few steps), then the few other rows are written."""
+        self._plan = None
+        if len(batch) > self.max_rows:
+            self._too_many_rows(batch, None)
+        get = self._requests.get
+        live_requests = list(map(get, batch))
+        # (identity tests through operator.is_: `None in` would call each object's __eq__)
+        if not any(map(operator.is_, live_requests, _NONES)):  # the usual batch: every row constrained, ready, running
+            live_matchers = list(map(_MATCHER, live_requests))
+            if not any(map(operator.is_, live_matchers, _NONES)) and not any(map(_FINISHED, live_requests)):
+                self._check_distinct(batch)
+                positions = list(range(len(batch)))
+                self._all_allowed[: len(batch)] = bytes(len(batch))
+                plan = _Layout(self._version, key, len(batch), live_matchers, positions, positions, live_requests, [], 0.0)
+                self._plan = plan
+                return plan
+        live_matchers, positions, live_requests, others = [], [], [], []
+        for position, request_id in enumerate(batch):
+            request = get(request_id)
+            if request is None:
+                self._request(request_id)  # raises, naming the request
+            matcher = request.matcher
+            if matcher is None and request.constraint is not None:
+                self._not_ready(request_id, request)  # waits for it, or raises its compile error
+                matcher = request.matcher
+            if matcher is None or request.finished:
+                others.append(position)
+            else:
+                live_matchers.append(matcher)
+                positions.append(position)
+                live_requests.append(request)
+        self._check_distinct(batch)
+        all_allowed, words = self._all_allowed, self._words
+        for position in others:
+            if self._requests[batch[position]].matcher is None:  # unconstrained: -1 (kept while it stays)
+                if not all_allowed[position]:
+                    words[position] = -1
+                    all_allowed[position] = 1
+            else:  # finished: only stop tokens
+                words[position] = self._stop_words
+                all_allowed[position] = 0
+        for position in positions:
+            all_allowed[position] = 0
+        plan = _Layout(self._version, key, len(batch), live_matchers, positions, positions, live_requests, others, 0.0)
+        self._plan = plan
+        return plan
+
+    @staticmethod
+    def _check_distinct(batch: Sequence[Hashable]) -> None:
         if len(set(batch)) != len(batch):
             raise BatchLayoutError(f"the batch {list(batch)} names a request twice; each request owns one slot")
-        plan = _Layout(self._version, key, row, fill_matchers, fill_rows, positions, live_requests, others, draft_seconds)
-        if not drafts:
-            self._plan = plan
-        return plan
 
     def _too_many_rows(self, batch, drafts) -> None:
         total = len(batch) + sum(len(drafts.get(r, ())) for r in batch) if drafts else len(batch)
@@ -605,18 +664,16 @@ class StructuredRuntime:
             accepted = self.engine.batch_accept(live_matchers, live_tokens)
             xgrammar_seconds = clock() - tick
             stops = self.stop_token_ids
-            if False in accepted or not stops.isdisjoint(live_tokens):
-                refused = None
-                for position, request, token, ok in zip(positions, live_requests, live_tokens, accepted):
-                    if not ok:
-                        refused = refused or (batch[position], token)
-                    elif token in stops:  # accepting a stop token is what terminates a matcher
-                        request.finished = True
-                        finished.append(batch[position])
+            if not stops.isdisjoint(live_tokens):  # accepting a stop token is what terminates a matcher
+                for index in [i for i, token in enumerate(live_tokens) if token in stops]:
+                    if accepted[index]:
+                        live_requests[index].finished = True
+                        finished.append(batch[positions[index]])
                         self._version += 1
-                if refused is not None:  # the other requests advanced; this one is unchanged
-                    self.last_accept_xgrammar_seconds = xgrammar_seconds
-                    self.accept(refused[0], [refused[1]])  # raises, naming request and token
+            if False in accepted:  # the other requests advanced; this one is unchanged
+                index = accepted.index(False)
+                self.last_accept_xgrammar_seconds = xgrammar_seconds
+                self.accept(batch[positions[index]], [live_tokens[index]])  # raises, naming request and token
         self.last_accept_xgrammar_seconds = xgrammar_seconds
         self.last_accept_seconds = clock() - start
         return finished
