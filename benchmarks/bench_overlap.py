@@ -54,6 +54,7 @@ from grammar_states import SCHEMAS, load_schemas, start_requests, tekken  # noqa
 from timing import write_results  # noqa: E402
 
 FORCED = True  # set by --free-run
+CUT = None
 FULL = dict(vocab_size=131072, hidden_size=256, layers=4, intermediate_size=512)
 QUICK = dict(vocab_size=131072, hidden_size=128, layers=2, intermediate_size=256)
 
@@ -96,7 +97,7 @@ def measure(model, tokenizer, schemas, batch: int, backend: str, rounds: int, st
     width = runtimes[0].width
     neutral = torch.full((batch, width), -1, dtype=torch.int32)
     copies = [Transformed(copy.deepcopy(base.program), base.report) for _ in range(3)]  # a KV cache each
-    cut = "hidden" if backend == "xla" else "logits"  # on torch-xla's CPU client a [B, V] body output is slow
+    cut = CUT or ("hidden" if backend == "xla" else "logits")
     unsplit_u, unsplit_s, split = copies[0], copies[1], split_step(copies[2], cut=cut)
     if backend == "xla":
         import torch_xla
@@ -187,11 +188,13 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--free-run", action="store_true",
                         help="accept the random model's own tokens instead of forcing the valid instances")
+    parser.add_argument("--cut", choices=("logits", "hidden"), default=None,
+                        help="where the split cuts (default: hidden on XLA, logits on eager)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds of 10 steps (default 3; --quick 2)")
     parser.add_argument("--out", default="benchmarks/results/bench_overlap.json")
     args = parser.parse_args()
-    global FORCED
-    FORCED = not args.free_run
+    global FORCED, CUT
+    FORCED, CUT = not args.free_run, args.cut
     config, rounds, steps = (QUICK, 2, 6) if args.quick else (FULL, 3, 10)
     rounds = args.rounds or rounds
     torch.set_num_threads(1)  # the body's budget in every mode; the fill gets the other core
