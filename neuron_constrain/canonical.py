@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 from neuron_constrain.program import user_input_names
 from neuron_constrain.sites import module_path
 
-__all__ = ["HEADER", "CanonicalGraph", "GraphDiff", "canonical_text", "diff_graphs", "is_canonical_text", "parse_canonical"]
+__all__ = ["HEADER", "CanonicalGraph", "canonical_text", "is_canonical_text", "parse_canonical"]
 
 HEADER = "# neuron-constrain canonical graph v1"
 
