@@ -5,8 +5,9 @@ on the real Tekken tokenizer (131072 tokens, mistral-common's tekken_240911.json
 
 For each batch every request is a JSON-schema request on one of 8 real schemas from
 MaskBench's development sample (``grammar_states.load_schemas``: tool calls, configs,
-API objects), walked through a valid instance of it by teacher forcing (requests finish and new ones join in the freed row, as ``generate``
-and vLLM's persistent batch keep rows), once with one fill thread and once with two (the
+API objects), walked through a valid instance of it by teacher forcing (requests
+finish and new ones join in the freed row, as ``generate`` and vLLM's persistent
+batch keep rows), once with one fill thread and once with two (the
 same token sequence), then once more with every request moved to another row every step
 (``shuffled``: the runtime re-lays the batch out each step; the worst case, reported next
 to the stable one). Per step it measures, with ``time.perf_counter`` inside the same run:

@@ -23,22 +23,17 @@ constrained (target <= 1.01). ``--quick``: a 2-layer, 1024-token model, fewer re
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.kernels import pack_bool_mask, unpack_bitmask
+from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.pipeline import split_step
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
-from grammar_states import grammar_masks
-from timing import interleaved, median_ms, ratio, write_results
-
-
-def paired(times: dict, a: str, b: str) -> float:
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+from grammar_states import grammar_masks, random_masks
+from timing import interleaved, median_ms, paired, ratio, write_results
 
 
 def measure(model, batch: int, backend: str, reps: int, mask: torch.Tensor) -> dict:
@@ -48,10 +43,7 @@ def measure(model, batch: int, backend: str, reps: int, mask: torch.Tensor) -> d
     transformed = nc.transform(program, vocab_size=vocab)
     transform_s = time.perf_counter() - start
     split = split_step(transformed)
-    generator = torch.Generator().manual_seed(0)
-    allowed = torch.rand(batch, vocab, generator=generator) < 0.5
-    allowed[:, 0] = True
-    random_mask = pack_bool_mask(allowed)
+    random_mask = random_masks(batch, vocab)
     plain = compiled(program.module(), backend)
     rewritten = compiled(transformed.graph_module, backend)
     body, head = compiled(split.body.graph_module, backend), compiled(split.head.graph_module, backend)

@@ -51,7 +51,7 @@ from neuron_constrain.structured.runtime import StructuredRuntime  # noqa: E402
 from neuron_constrain.transform import Transformed  # noqa: E402
 from decode_steps import decoder, export_decode_step  # noqa: E402
 from grammar_states import SCHEMAS, load_schemas, start_requests, tekken  # noqa: E402
-from timing import write_results  # noqa: E402
+from timing import paired, write_results  # noqa: E402
 
 FORCED = True  # set by --free-run
 CUT = None
@@ -162,8 +162,7 @@ def measure(model, tokenizer, schemas, batch: int, backend: str, rounds: int, st
         runtime.close()
     med = {m: statistics.median(t) for m, t in times.items()}
     # per step, the three ran back to back: the median of paired ratios resists load bursts
-    over = {m: statistics.median(a / b for a, b in zip(times[m], times["unconstrained"])) - 1
-            for m in ("serial", "pipelined")}
+    over = {m: paired(times, m, "unconstrained") - 1 for m in ("serial", "pipelined")}
     fill, body = statistics.median(fills), statistics.median(bodies)
     bound = max(0.0, fill - body) / med["unconstrained"] + 0.02
     return {

@@ -27,12 +27,11 @@ import time
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
-from grammar_states import grammar_masks
-from timing import interleaved, median_ms, ratio, write_results
+from grammar_states import grammar_masks, random_masks
+from timing import interleaved, median_ms, paired, ratio, write_results
 
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
 EOS = 2
@@ -55,10 +54,6 @@ def busy_state(model: nc.Transformed, batch: int, vocab: int) -> ProcessorState:
     return state
 
 
-def paired(times: dict, a: str, b: str) -> float:
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
-
 def measure(model, kind: str, batch: int, backend: str, reps: int, mask: torch.Tensor) -> dict:
     vocab = model.config.vocab_size
     program, args = export_decode_step(model, batch, sampling=kind == "sampling")
@@ -67,10 +62,7 @@ def measure(model, kind: str, batch: int, backend: str, reps: int, mask: torch.T
     processed = nc.transform(program, vocab_size=vocab, processors=PROCESSORS)
     transform_s = time.perf_counter() - start
     state = busy_state(processed, batch, vocab)
-    generator = torch.Generator().manual_seed(1)
-    allowed = torch.rand(batch, vocab, generator=generator) < 0.5
-    allowed[:, EOS] = True
-    random_mask = pack_bool_mask(allowed)
+    random_mask = random_masks(batch, vocab, always_allowed=EOS, seed=1)
     inputs = state.inputs()
     plain = compiled(program.module(), backend)
     mask_only, all_four = compiled(masked.graph_module, backend), compiled(processed.graph_module, backend)
@@ -83,7 +75,7 @@ def measure(model, kind: str, batch: int, backend: str, reps: int, mask: torch.T
     }
     times = interleaved(runs, reps, warmup=2)
     host = []
-    tokens = torch.randint(0, vocab, (batch,), generator=generator)
+    tokens = torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(1))
     for _ in range(50):
         t0 = time.perf_counter()
         state.append_tokens(tokens)

@@ -24,15 +24,11 @@ from neuron_constrain.replacement import active_context
 from neuron_constrain.testing import CachedGreedyStep
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import SMALL, compiled, decoder
-from timing import interleaved, median_ms, ratio, write_results
+from timing import interleaved, median_ms, paired, ratio, write_results
 
 ROUTER = "model.layers.*.mlp.router"
 MOE = dict(vocab_size=128256, hidden_size=1024, layers=8, intermediate_size=256, num_local_experts=4)
 QUICK = dict(SMALL, intermediate_size=64)
-
-
-def paired(times: dict, a: str, b: str) -> float:
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def measure(model, batch: int, backend: str, reps: int) -> dict:

@@ -7,6 +7,7 @@ strings, between keys, in numbers), as a serving batch's do.
     schemas = load_schemas(tokenizer, SCHEMAS, limit=4)
     ids, cursors = start_requests(runtime, schemas, batch)      # for decode loops
     mask = grammar_masks(batch, vocab_size=128256)              # one step's packed masks
+    worst = random_masks(batch, vocab_size=128256)              # the contrast: half allowed at random
 """
 from __future__ import annotations
 
@@ -116,5 +117,14 @@ def grammar_masks(batch: int, vocab_size: int, limit: int = 4, always_allowed: i
     if start + vocab_size > full.shape[-1]:
         raise ValueError(f"vocab_size={vocab_size}: Tekken has {full.shape[-1] - start} text tokens to lend")
     allowed = full[:, start:start + vocab_size].clone()
+    allowed[:, always_allowed] = True
+    return pack_bool_mask(allowed)
+
+
+def random_masks(batch: int, vocab_size: int, always_allowed: int = 0, seed: int = 0) -> torch.Tensor:
+    """Packed masks allowing each token with probability 1/2, independently: no grammar
+    state looks like this; it is the worst case for eager CPU's per-element ``where``."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(batch, vocab_size, generator=generator) < 0.5
     allowed[:, always_allowed] = True
     return pack_bool_mask(allowed)

@@ -36,6 +36,11 @@ def ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> di
     }
 
 
+def paired(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median of the per-round ratios (the two ran back to back each round: resists load bursts)."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+
+
 def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 

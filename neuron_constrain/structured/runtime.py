@@ -491,43 +491,45 @@ class StructuredRuntime:
             self._too_many_rows(batch, None)
         get = self._requests.get
         live_requests = list(map(get, batch))
-        # (identity tests through operator.is_: `None in` would call each object's __eq__)
-        if not any(map(operator.is_, live_requests, _NONES)):  # the usual batch: every row constrained, ready, running
+        # The usual batch: every row constrained, ready and running, sorted by map alone.
+        # (Identity tests through operator.is_: `None in` would call each object's __eq__.)
+        every_row_live = not any(map(operator.is_, live_requests, _NONES))
+        if every_row_live:
             live_matchers = list(map(_MATCHER, live_requests))
-            if not any(map(operator.is_, live_matchers, _NONES)) and not any(map(_FINISHED, live_requests)):
-                self._check_distinct(batch)
-                positions = list(range(len(batch)))
-                self._all_allowed[: len(batch)] = bytes(len(batch))
-                plan = _Layout(self._version, key, len(batch), live_matchers, positions, positions, live_requests, [], 0.0)
-                self._plan = plan
-                return plan
-        live_matchers, positions, live_requests, others = [], [], [], []
-        for position, request_id in enumerate(batch):
-            request = get(request_id)
-            if request is None:
-                self._request(request_id)  # raises, naming the request
-            matcher = request.matcher
-            if matcher is None and request.constraint is not None:
-                self._not_ready(request_id, request)  # waits for it, or raises its compile error
+            every_row_live = not any(map(operator.is_, live_matchers, _NONES)) and not any(map(_FINISHED, live_requests))
+        if every_row_live:
+            positions, others = list(range(len(batch))), []
+        else:
+            live_matchers, positions, live_requests, others = [], [], [], []
+            for position, request_id in enumerate(batch):
+                request = get(request_id)
+                if request is None:
+                    self._request(request_id)  # raises, naming the request
                 matcher = request.matcher
-            if matcher is None or request.finished:
-                others.append(position)
-            else:
-                live_matchers.append(matcher)
-                positions.append(position)
-                live_requests.append(request)
+                if matcher is None and request.constraint is not None:
+                    self._not_ready(request_id, request)  # waits for it, or raises its compile error
+                    matcher = request.matcher
+                if matcher is None or request.finished:
+                    others.append(position)
+                else:
+                    live_matchers.append(matcher)
+                    positions.append(position)
+                    live_requests.append(request)
         self._check_distinct(batch)
         all_allowed, words = self._all_allowed, self._words
-        for position in others:
-            if self._requests[batch[position]].matcher is None:  # unconstrained: -1 (kept while it stays)
-                if not all_allowed[position]:
-                    words[position] = -1
-                    all_allowed[position] = 1
-            else:  # finished: only stop tokens
-                words[position] = self._stop_words
+        if not others:
+            all_allowed[: len(batch)] = bytes(len(batch))
+        else:
+            for position in others:
+                if self._requests[batch[position]].matcher is None:  # unconstrained: -1 (kept while it stays)
+                    if not all_allowed[position]:
+                        words[position] = -1
+                        all_allowed[position] = 1
+                else:  # finished: only stop tokens
+                    words[position] = self._stop_words
+                    all_allowed[position] = 0
+            for position in positions:
                 all_allowed[position] = 0
-        for position in positions:
-            all_allowed[position] = 0
         plan = _Layout(self._version, key, len(batch), live_matchers, positions, positions, live_requests, others, 0.0)
         self._plan = plan
         return plan
