@@ -12,8 +12,8 @@ same token sequence), then once more with every request moved to another row eve
 (``shuffled``: the runtime re-lays the batch out each step; the worst case, reported next
 to the stable one). Per step it measures, with ``time.perf_counter`` inside the same run:
 
-    fill     the engine's part: fill_next_token_bitmask for every constrained row (one row:
-             the matcher directly; more: the batch API on N threads, GIL released) + accept
+    fill     the engine's part: fill_next_token_bitmask for every constrained row (on one
+             thread, or shared with the engine's fill threads, GIL released) + accept
     ours     everything else in runtime.step + runtime.accept_rows: batch layout, readiness,
              rows written in batch order into the one reusable buffer, handing out a view
     copy     copying that view into a same-sized staging tensor (a CPU stand-in for the

@@ -3,6 +3,8 @@ regex / choice / EBNF / tool calling end to end, the enable switch, and the erro
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer, weather_tool
 
@@ -398,3 +401,53 @@ def test_parallel_and_direct_fills_write_the_same_rows(vocab):
         runtime.close()
     assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
     assert len({tuple(row.tolist()) for row in masks[0]}) >= 6  # distinct states, so a row mix-up would show
+
+
+class _SlowRow:
+    """A stand-in matcher: fills its row with its id after ``seconds``, records the thread, may fail."""
+
+    def __init__(self, value: int, seconds: float = 0.0, fail: bool = False, hang: threading.Event | None = None):
+        self.value, self.seconds, self.fail, self.hang, self.thread = value, seconds, fail, hang, None
+
+    def fill_next_token_bitmask(self, buffer, row):
+        self.thread = threading.current_thread()
+        if self.hang is not None and self.thread is not threading.main_thread():
+            self.hang.wait(10)
+        time.sleep(self.seconds)  # releases the GIL, as xgrammar's fill does
+        if self.fail:
+            raise ValueError(f"row {row} failed")
+        buffer[row] = self.value
+
+
+def test_fill_threads_share_rows_and_raise_a_workers_error():
+    fillers = E._RowFillers(2)
+    try:
+        buffer = torch.zeros(20, 4, dtype=torch.int32)
+        rows = [_SlowRow(i + 1, seconds=0.005) for i in range(20)]
+        fillers.fill(rows, buffer, list(range(20))[::-1])
+        assert buffer[:, 0].tolist() == list(range(20, 0, -1))  # each matcher wrote its own row
+        assert len({r.thread for r in rows}) == 2  # both threads took rows
+        failing = [_SlowRow(1, seconds=0.005, fail=(i % 2 == 1)) for i in range(8)]
+        with pytest.raises(ValueError, match="failed"):
+            fillers.fill(failing, buffer, list(range(8)))
+        buffer.zero_()
+        fillers.fill(rows[:8], buffer, list(range(8)))  # the threads survive an error
+        assert buffer[:8, 0].tolist() == list(range(1, 9))
+    finally:
+        fillers.close()
+
+
+def test_a_fill_thread_that_never_returns_is_a_bounded_wait():
+    release = threading.Event()
+    fillers = E._RowFillers(2, timeout=0.3)
+    try:
+        rows = [_SlowRow(1, seconds=0.01, hang=release) for _ in range(10)]
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError, match="did not finish within 0.3 s"):
+            fillers.fill(rows, torch.zeros(10, 4, dtype=torch.int32), list(range(10)))
+        assert time.perf_counter() - start < 5
+        with pytest.raises(RuntimeError, match="make a new runtime"):
+            fillers.fill(rows, torch.zeros(10, 4, dtype=torch.int32), list(range(10)))
+    finally:
+        release.set()
+        fillers.close()

@@ -33,8 +33,9 @@ The engine seam: ``engine="xgrammar"`` (default) or ``"llguidance"`` (``engines.
 / ``accept_token`` / ``rollback`` / ``is_terminated``), ``engine.batch_fill``. Fill: one
 constrained row calls its matcher directly (the batch API costs ~65 us more); more
 rows go to the engine's batch fill, which runs ``fill_threads`` threads without the GIL
-from ``parallel_min_rows`` rows on (default: 1 thread on a host of <= 2 cores, where two
-threads measured slower in ``benchmarks/bench_host.py``; else up to 8).
+from ``parallel_min_rows`` rows on (default: 1 thread on a host of <= 2 cores, whose
+other core the model's step wants; else up to 8). Two threads filled batch 32 1.3x
+faster than one on 2 idle cores (``benchmarks/bench_host.py``).
 """
 from __future__ import annotations
 
@@ -185,11 +186,11 @@ class StructuredRuntime:
         self.stop_token_ids = frozenset(tokenizer_info.stop_token_ids)
         if not self.stop_token_ids:
             raise ValueError("the tokenizer info has no stop token; build it with stop_token_ids=[<eos id>]")
-        if fill_threads is None:  # measured on 2 shared cores: 2 threads filled slower (bench_host.py)
+        if fill_threads is None:  # 2 cores: leave the model's step a core of its own
             fill_threads = 1 if (os.cpu_count() or 1) <= 2 else min(8, os.cpu_count())
         self.fill_threads = fill_threads
-        # Fewer constrained rows than this are filled on this thread: two threads filled batch 8
-        # 6x slower than one on 2 busy cores (bench_host.py), the pool's hand-off costing more.
+        # Fewer constrained rows than this are filled on this thread: waking a fill thread costs
+        # ~25 us each way on a 2-core VM, about what batch 8's whole fill takes (bench_host.py).
         self.parallel_min_rows = parallel_min_rows if fill_threads > 1 else 2  # 1 thread: the batch API always
         self.engine = make_engine(engine, tokenizer, fill_threads=fill_threads)
         self.compile_timeout = compile_timeout
@@ -220,8 +221,9 @@ class StructuredRuntime:
         self.last_accept_xgrammar_seconds = 0.0
 
     def close(self) -> None:
-        """Stop the compile threads (running compilations finish first)."""
+        """Stop the compile threads (running compilations finish first) and the fill threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
 
     def __enter__(self):
         return self
