@@ -14,6 +14,7 @@ from .bitmask import (
 from .processors import (
     allow_token_in_empty_rows,
     apply_logit_bias,
+    apply_min_tokens_and_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -35,6 +36,7 @@ __all__ = [
     # logits processors
     "allow_token_in_empty_rows",
     "apply_logit_bias",
+    "apply_min_tokens_and_logit_bias",
     "apply_min_p",
     "apply_min_tokens",
     "apply_penalties",

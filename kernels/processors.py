@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "apply_min_tokens",
     "apply_logit_bias",
+    "apply_min_tokens_and_logit_bias",
     "apply_penalties",
     "apply_temperature",
     "apply_min_p",
@@ -54,6 +55,23 @@ def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tens
     valid = _valid(ids, logits.shape[-1])
     index = torch.where(valid, ids, 0)
     return logits.scatter_add(-1, index, torch.where(valid, values.to(logits.dtype), 0.0))
+
+
+def apply_min_tokens_and_logit_bias(
+    logits: torch.Tensor, remaining: torch.Tensor, stop_ids: torch.Tensor, ids: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """``apply_logit_bias(apply_min_tokens(logits, remaining, stop_ids), ids, values)`` as one
+    scatter-add: one copy of the logits and one pass over them instead of two.
+
+    The same values: a row's additions are the stop ids' (``-inf`` or ``+0``) then the
+    biases in their order, as the two scatters add them; ``-inf`` plus a bias is ``-inf``.
+    """
+    width = logits.shape[-1]
+    live = _valid(stop_ids, width) & (remaining > 0).unsqueeze(-1)
+    valid = _valid(ids, width)
+    index = torch.cat([torch.where(live, stop_ids, 0), torch.where(valid, ids, 0)], dim=-1)
+    add = torch.cat([torch.where(live, NEG_INF, 0.0).to(logits.dtype), torch.where(valid, values.to(logits.dtype), 0.0)], dim=-1)
+    return logits.scatter_add(-1, index, add)
 
 
 def apply_penalties(

@@ -2,8 +2,8 @@
 
 Before (after the logit-mask pass)             After (processors = all four)
     m = where(allowed, last, -inf)                 m = where(allowed, last, -inf)
-    tok = argmax(m, -1)           # greedy         x = scatter_add(m, stop_ids, -inf if remaining > 0)    # min_tokens
-    t = div(m, 0.8)               # sampling       x = scatter_add(x, bias_ids, bias_values)              # logit_bias
+    tok = argmax(m, -1)           # greedy         x = scatter_add(m, cat(stop_ids, bias_ids),            # min_tokens and
+    t = div(m, 0.8)               # sampling                       cat(-inf if remaining > 0, bias))  # logit_bias, fused
     order = sort(t)                                s = gather(x, seen_ids)                                # penalties:
                                                    s2 = where(s > 0, s / rep, s * rep) - f * n - p * (n > 0)
                                                    x = scatter_add(x, seen_ids, s2 - s)
@@ -79,6 +79,7 @@ from neuron_constrain.processors.registry import (
     PASS_NAME,
     ProcessorError,
     builtin_inputs,
+    fuse_adjacent,
     resolve_processors,
 )
 from neuron_constrain.program import ProgramEditor, refuse_if_present, user_input_names
@@ -204,7 +205,7 @@ def logits_processors_pass(
     processed: dict[torch.fx.Node, torch.fx.Node] = {}  # mask point -> its value after stage one
     for point in plan.points:
         x = point
-        for proc in stage_one:
+        for proc in fuse_adjacent(stage_one):
             x = splice(proc, x, point)
         if stage_one and isinstance(empty_row, int):
             x = editor.splice(lambda v: allow_token_in_empty_rows(v, empty_row, vocab), [x], near=point, prefix="processors_empty_row")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import neuron_constrain as nc
 from neuron_constrain.errors import EmptyMaskRowError, TransformError
-from neuron_constrain.kernels import pack_bool_mask
+from neuron_constrain.kernels import apply_logit_bias, apply_min_tokens, apply_min_tokens_and_logit_bias, pack_bool_mask
 from neuron_constrain.passes import logits_processors_pass
 from neuron_constrain.processors import (
     ENTRY_POINT_GROUP,
@@ -286,7 +286,8 @@ def test_pruning_contract_greedy_has_no_min_p_or_temperature():
     # (the one amax is the empty-row check after min_tokens)
     assert added[aten.log.default] == 0 and added[aten.amax.default] == 1
     assert not inserted(processed.program, "min_p") and not inserted(processed.program, "temperature")
-    assert added[aten.scatter_add.default] == 3 and added[aten.gather.default] == 1  # min_tokens, logit_bias, penalties
+    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other
+    assert added[aten.scatter_add.default] == 2 and added[aten.gather.default] == 1
     names = {i.name for i in processed.report.inputs_added}
     assert "min_p" not in names and "temperature" not in names
     [site] = processed.report["logits_processors"].sites
@@ -335,7 +336,29 @@ def test_order_is_mask_min_tokens_bias_penalties_temperature_min_p():
     _, _, processed = llama_steps()["topk"]
     topk = next(n for n in processed.program.graph.nodes if n.target == aten.topk.default)
     chain = chain_back(topk, "select")  # select: the last-position logits, the mask point
-    assert prefixes(chain) == ["min_p", "temperature", "penalty", "logit_bias", "min_tokens", "logit_mask"]
+    # min_tokens and logit_bias run as one fused scatter-add (its nodes are named min_tokens_logit_bias_*)
+    assert prefixes(chain) == ["min_p", "temperature", "penalty", "min_tokens", "logit_mask"]
+    assert any(name.startswith("min_tokens_logit_bias") for name in chain)
+
+
+@given(
+    rows=st.integers(1, 3),
+    width=st.integers(1, 40),
+    data=st.data(),
+)
+def test_property_fused_min_tokens_and_logit_bias_equal_the_two_scatters(rows, width, data):
+    """Bit for bit, -inf included: repeated ids, ids shared by both, padding, ids past the width."""
+    ids = st.integers(-2, width + 1)
+    stop_ids = torch.tensor(data.draw(st.lists(st.lists(ids, min_size=3, max_size=3), min_size=rows, max_size=rows)))
+    bias_ids = torch.tensor(data.draw(st.lists(st.lists(ids, min_size=4, max_size=4), min_size=rows, max_size=rows)))
+    values = torch.tensor(data.draw(st.lists(st.lists(st.floats(-8, 8, width=32) | st.just(NEG_INF), min_size=4,
+                                                      max_size=4), min_size=rows, max_size=rows)))
+    remaining = torch.tensor(data.draw(st.lists(st.integers(0, 2), min_size=rows, max_size=rows)), dtype=torch.int32)
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    logits[:, 0] = NEG_INF if data.draw(st.booleans()) else logits[:, 0]  # a masked token stays masked
+    two = apply_logit_bias(apply_min_tokens(logits, remaining, stop_ids), bias_ids, values)
+    one = apply_min_tokens_and_logit_bias(logits, remaining, stop_ids, bias_ids, values)
+    assert torch.equal(one, two)
 
 
 def test_mixed_graph_only_the_sampling_path_gets_min_p():

@@ -12,6 +12,7 @@ import torch
 
 from neuron_constrain.kernels import (
     apply_logit_bias,
+    apply_min_tokens_and_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -159,6 +160,8 @@ def builtin_inputs(name: str) -> list[str]:
     return [k for k, v in BUILTIN_INPUTS.items() if v[0] == name]
 
 
+FUSED_MIN_TOKENS_LOGIT_BIAS = "min_tokens+logit_bias"
+
 # built-in -> (kernel, its graph inputs in kernel argument order, node name prefix)
 KERNELS = {
     "min_tokens": (apply_min_tokens, ["min_tokens_remaining", "min_tokens_stop_ids"], "min_tokens"),
@@ -170,7 +173,24 @@ KERNELS = {
     ),
     "temperature": (apply_temperature, ["temperature"], "temperature"),
     "min_p": (apply_min_p, ["min_p"], "min_p"),
+    # min_tokens then logit_bias, fused: one scatter-add, one copy of the logits (same values)
+    FUSED_MIN_TOKENS_LOGIT_BIAS: (
+        apply_min_tokens_and_logit_bias,
+        ["min_tokens_remaining", "min_tokens_stop_ids", "logit_bias_ids", "logit_bias_values"],
+        "min_tokens_logit_bias",
+    ),
 }
+
+
+def fuse_adjacent(stage: list) -> list:
+    """``stage`` with each ``"min_tokens", "logit_bias"`` pair run as their fused kernel."""
+    out = []
+    for proc in stage:
+        if proc == "logit_bias" and out and out[-1] == "min_tokens":
+            out[-1] = FUSED_MIN_TOKENS_LOGIT_BIAS
+        else:
+            out.append(proc)
+    return out
 
 DOCS = {
     "min_tokens_remaining": "tokens a row must still generate before a stop id may be sampled",
