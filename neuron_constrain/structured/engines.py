@@ -382,8 +382,10 @@ class LLGuidanceEngine(_Engine):
         return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids)
 
     def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(buffer, rows[0])
+        if self.fill_threads == 1 or len(matchers) == 1:
+            # Row by row: llguidance's LLExecutor(num_threads=1) took 1.9x as long at batch 32 on Tekken.
+            for matcher, row in zip(matchers, rows):
+                matcher.fill_next_token_bitmask(buffer, row)
             return
         if buffer.dtype != torch.int32 or buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("llguidance fills a contiguous int32 CPU buffer [rows, ceil(V/32)]")
