@@ -22,7 +22,11 @@ to the stable one). Per step it measures, with ``time.perf_counter`` inside the 
              a -1 batch tensor, unpack to bool [rows, V] (what they then transfer)
     bound    (shuffled run) each row's fill timed alone; the best two threads can do without
              splitting a row (longest row first): a row inside a maxLength string costs
-             milliseconds while most cost microseconds, so this caps the parallel speedup
+             milliseconds while most cost microseconds, so this caps the parallel speedup.
+             Then each row timed while a second thread fills the others (``ContendedRows``):
+             rows cost more when both cores fill (shared memory and caches; each call
+             takes the GIL back when it returns), and the bound divided by that slowdown
+             is what two Python threads can reach with no hand-off cost at all
 
 Targets: ours <= 5% of the fill at batch >= 8 and <= 10 us at batch 1; fill on 2 threads
 >= 1.6x faster than on 1 at batch 32. Writes benchmarks/results/bench_host.json.
@@ -36,6 +40,7 @@ import pathlib
 import platform
 import random
 import statistics
+import threading
 import time
 
 import torch
@@ -64,6 +69,39 @@ def two_thread_makespan(costs: list[float]) -> float:
     return max(loads)
 
 
+class ContendedRows:
+    """Each row's fill timed while a second thread fills the other rows (both take rows one
+    at a time from one queue, as the engine's fill threads do): what a row costs when both
+    cores fill, GIL hand-backs included, against its cost alone (the rows-alone bound
+    assumes they cost the same)."""
+
+    def __init__(self):
+        self._start, self._done = threading.Lock(), threading.Lock()
+        self._start.acquire()
+        self._done.acquire()
+        self._claims, self._costs = iter(()), []
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _drain(self) -> None:
+        for matcher, buffer, row in self._claims:
+            tick = time.perf_counter()
+            matcher.fill_next_token_bitmask(buffer, row)
+            self._costs.append(time.perf_counter() - tick)
+
+    def _work(self) -> None:
+        while True:
+            self._start.acquire()
+            self._drain()
+            self._done.release()
+
+    def costs(self, matchers, buffer, rows) -> list[float]:
+        self._claims, self._costs = iter(list(zip(matchers, [buffer] * len(rows), rows))), []
+        self._start.release()
+        self._drain()
+        self._done.acquire()
+        return self._costs
+
+
 def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained_share: float = 1.0, seed: int = 0,
         shuffle: bool = False) -> dict:
     runtime = S.StructuredRuntime(tok, max_rows=batch, fill_threads=threads)
@@ -85,7 +123,8 @@ def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained
 
     for _ in range(batch):
         join(scatter=True)
-    samples = {k: [] for k in ("fill", "ours", "copy", "seeds", "rows_serial", "two_thread_bound")}
+    samples = {k: [] for k in ("fill", "ours", "copy", "seeds", "rows_serial", "two_thread_bound", "rows_contended")}
+    contended = ContendedRows() if shuffle else None
     staging = torch.empty_like(runtime.buffer)
     layout = list(state)
     for _ in range(steps):
@@ -101,6 +140,7 @@ def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained
                 costs.append(time.perf_counter() - tick)
             samples["rows_serial"].append(sum(costs))
             samples["two_thread_bound"].append(two_thread_makespan(costs))
+            samples["rows_contended"].append(sum(contended.costs(runtime._plan.matchers, staging, runtime._plan.fill_rows)))
         start = time.perf_counter()
         staging[: mask.shape[0]].copy_(mask)
         copy = time.perf_counter() - start
@@ -137,6 +177,10 @@ def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained
         "copy_over_fill": round(med["copy"] / med["fill"], 4) if med["fill"] else None,
         "seeds_over_fill": round(med["seeds"] / med["fill"], 4) if med["fill"] else None,
         "two_thread_bound_speedup": round(med["rows_serial"] / med["two_thread_bound"], 3) if med["two_thread_bound"] else None,
+        # rows cost this much more when both cores fill; the bound with it (2 threads, no hand-off cost)
+        "two_thread_row_slowdown": round(med["rows_contended"] / med["rows_serial"], 3) if med["rows_serial"] else None,
+        "two_thread_contended_bound_speedup": (round(med["rows_serial"] ** 2 / (med["two_thread_bound"] * med["rows_contended"]), 3)
+                                               if med["two_thread_bound"] and med["rows_contended"] else None),
     }
 
 
@@ -176,7 +220,8 @@ def main() -> int:
                 print(f"batch {batch:3d} constrained {share:4.0%}: no constrained row drawn; ours {pair[1]['median_us']['ours']:5.1f} us")
                 continue
             print(f"batch {batch:3d} constrained {share:4.0%}: fill 1 thread {one['fill']:8.1f} us  2 threads "
-                  f"{two['fill']:8.1f} us  ({speedup:.2f}x; rows alone {shuffled['two_thread_bound_speedup']}x)  ours "
+                  f"{two['fill']:8.1f} us  ({speedup:.2f}x; bound: rows alone {shuffled['two_thread_bound_speedup']}x, rows "
+                  f"{shuffled['two_thread_row_slowdown']}x slower with both cores filling: {shuffled['two_thread_contended_bound_speedup']}x)  ours "
                   f"{one['ours']:5.1f} / {two['ours']:5.1f} us  ours/fill {ratio:.3f}  shuffled: ours "
                   f"{shuffled['median_us']['ours']:5.1f} us ({shuffled['ours_over_fill']:.3f})  | copy {one['copy']:6.1f} us  "
                   f"seeds' reorder+unpack {one['seeds']:8.1f} us")
@@ -184,6 +229,8 @@ def main() -> int:
                 summary[batch] = {"fill_1_thread_us": one["fill"], "fill_2_threads_us": two["fill"],
                                   "parallel_speedup": round(speedup, 3),
                                   "two_thread_bound_speedup": shuffled["two_thread_bound_speedup"],
+                                  "two_thread_row_slowdown": shuffled["two_thread_row_slowdown"],
+                                  "two_thread_contended_bound_speedup": shuffled["two_thread_contended_bound_speedup"],
                                   "ours_us": one["ours"], "ours_over_fill": ratio,
                                   "ours_over_fill_2_threads": pair[2]["ours_over_fill"],
                                   "shuffled_ours_us": shuffled["median_us"]["ours"],

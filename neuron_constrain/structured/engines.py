@@ -135,10 +135,11 @@ class _RowFillers:
     xgrammar's matcher releases the GIL while it fills a row, so rows taken one at a
     time from one shared iterator (``next`` on it is atomic under the GIL) fill in
     parallel, and a costly row (milliseconds inside a long string) is balanced by the
-    cheap ones whichever thread takes it. Measured on 2 cores at batch 32 of real
-    schemas, where xgrammar's own ``BatchGrammarMatcher(max_threads=2)`` filled no faster
-    than one thread: this ~1.4x, a wake-up of a sleeping thread costing ~25 us each way
-    on that host (``bench_host.py``). Waits are bounded; a worker's error is raised here.
+    cheap ones whichever thread takes it. Measured on 2 cores at batches 32 and 64 of
+    real schemas (``bench_host.py``): 1.04-1.35x one thread, where xgrammar's own
+    ``BatchGrammarMatcher(max_threads=2)`` was 0.63-0.80x; rows cost 1.4-1.8x more
+    each when both cores fill, and waking a thread costs ~25 us each way on that VM.
+    Waits are bounded; a worker's error is raised on the calling thread.
     """
 
     def __init__(self, threads: int, timeout: float = 120.0):
@@ -216,7 +217,7 @@ class XGrammarEngine(_Engine):
         return xgr.GrammarMatcher(compiled.grammar)
 
     def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> None:
-        if self._fillers is None or len(matchers) == 1:  # the batch API: no faster, ~65 us more for one row
+        if self._fillers is None or len(matchers) == 1:  # xgrammar's batch API: no faster, +65 us for one row
             for matcher, row in zip(matchers, rows):
                 matcher.fill_next_token_bitmask(buffer, row)
         else:

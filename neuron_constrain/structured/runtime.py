@@ -31,11 +31,11 @@ its worker and fills the cache for later requests.
 The engine seam: ``engine="xgrammar"`` (default) or ``"llguidance"`` (``engines.py``):
 ``engine.compile(constraint)``, ``engine.matcher(compiled)`` (``fill_next_token_bitmask``
 / ``accept_token`` / ``rollback`` / ``is_terminated``), ``engine.batch_fill``. Fill: one
-constrained row calls its matcher directly (the batch API costs ~65 us more); more
+constrained row calls its matcher directly; more
 rows go to the engine's batch fill, which runs ``fill_threads`` threads without the GIL
 from ``parallel_min_rows`` rows on (default: 1 thread on a host of <= 2 cores, whose
-other core the model's step wants; else up to 8). Two threads filled batch 32 1.3x
-faster than one on 2 idle cores (``benchmarks/bench_host.py``).
+other core the model's step wants; else up to 8). Two threads filled batches 32 and 64
+1.04-1.35x as fast as one on 2 idle cores (``benchmarks/bench_host.py``).
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ class StructuredRuntime:
         self.fill_threads = fill_threads
         # Fewer constrained rows than this are filled on this thread: waking a fill thread costs
         # ~25 us each way on a 2-core VM, about what batch 8's whole fill takes (bench_host.py).
-        self.parallel_min_rows = parallel_min_rows if fill_threads > 1 else 2  # 1 thread: the batch API always
+        self.parallel_min_rows = parallel_min_rows if fill_threads > 1 else 2  # 1 thread: the engine's batch fill always
         self.engine = make_engine(engine, tokenizer, fill_threads=fill_threads)
         self.compile_timeout = compile_timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(compile_workers, thread_name_prefix="grammar-compile")
@@ -418,7 +418,7 @@ class StructuredRuntime:
         fill_seconds = plan.draft_seconds
         if fill_matchers:
             tick = clock()
-            if len(fill_matchers) == 1:  # the matcher directly: the batch API costs ~65 us for one row
+            if len(fill_matchers) == 1:  # the matcher directly
                 fill_matchers[0].fill_next_token_bitmask(self.buffer, fill_rows[0])
             elif len(fill_matchers) < self.parallel_min_rows:  # a few rows: on this thread
                 for matcher, fill_row in zip(fill_matchers, fill_rows):
