@@ -9,9 +9,10 @@ For step t, :class:`PipelinedStep`:
 
     caller thread     feed body inputs | launch body ──┐ fill(t) (xgrammar) | wait body | head -> tokens
     body (CPU eager)                                   └─ worker thread: body(ids, pos) -> logits
-    body (torch-xla)                     trace body, torch_xla.sync(): dispatched, runs on the device
+    body (torch-xla)  fill(t) on the worker thread | trace body, torch_xla.sync(): runs on the device | wait fill | head
 
-On torch-xla the body is traced on the caller's thread and dispatched with
+On torch-xla the fill runs on the worker thread while the caller traces the body
+(lazy-tensor tracing is host work as long as a fill) and dispatches it with
 ``torch_xla.sync()``, which returns while the device (PJRT) runs it; the head's
 inputs (the mask) are transferred after the fill and the head is a second compiled
 graph reading the body's outputs as device data. On CPU eager the body runs on one
@@ -253,16 +254,45 @@ class PipelinedStep:
         import torch_xla
 
         clock = time.perf_counter
+
+        def timed_fill():
+            tick = clock()
+            return fill(), clock() - tick
+
+        # The fill runs on the worker while this thread traces and dispatches the body: tracing a
+        # lazy-tensor graph is host work of the fill's size (1.9 ms for bench_overlap's quick model),
+        # and the device then runs the body while the fill may still go on.
+        future = self._worker().submit(timed_fill) if fill is not None else None
         tick = clock()
-        with torch.no_grad():
-            cut = module(*body_args, **fed)
-        torch_xla.sync()  # dispatch: returns while the device runs the body
+        try:
+            with torch.no_grad():
+                cut = module(*body_args, **fed)
+            torch_xla.sync()  # dispatch: returns while the device runs the body
+        except BaseException as body_error:
+            fill_error = self._wait(future, "the mask fill")[1] if future is not None else None
+            if fill_error is not None:
+                body_error.add_note(f"the mask fill failed too: {fill_error!r}")
+            raise
         self.last_body_seconds = clock() - tick  # tracing + dispatch (the device time overlaps the fill)
         tick = clock()
-        filled = fill() if fill is not None else None
-        self.last_fill_seconds = clock() - tick
-        self.last_wait_seconds = 0.0
+        filled, self.last_fill_seconds = None, 0.0
+        if future is not None:
+            result, fill_error = self._wait(future, "the mask fill")
+            if fill_error is not None:
+                raise fill_error
+            filled, self.last_fill_seconds = result
+        self.last_wait_seconds = clock() - tick
         device = next(t.device for t in pytree.tree_leaves(cut) if isinstance(t, torch.Tensor))
         filled = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (filled or {}).items()}
         return self._head(cut, head_kwargs, filled)
+
+    def _wait(self, future: concurrent.futures.Future, what: str):
+        """``(result, None)`` or ``(None, error)`` of ``future`` within ``timeout``; past it the step is unusable."""
+        try:
+            return future.result(timeout=self.timeout), None
+        except concurrent.futures.TimeoutError:
+            self._broken = f"{what} did not finish within {self.timeout} s; this pipelined step is unusable"
+            raise PipelineTimeout(self._broken) from None
+        except BaseException as error:  # noqa: BLE001 - the caller decides which error wins
+            return None, error
 

@@ -207,3 +207,41 @@ def test_pipelined_on_xla_equals_serial_with_one_compilation_per_half(cached, vo
     pipelined = decode(lambda ids, pos, fill: step((ids.to(device), pos.to(device)), fill=fill).cpu(), vocab, 6)
     assert pipelined == serial
     assert met.metric_data("CompileTime")[0] == 2, "expected one compilation for the body and one for the head"
+
+
+def test_on_xla_the_fill_runs_while_the_body_is_traced_and_its_error_surfaces(cached):
+    torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    on_xla = split_step(fresh(cached)).to()
+    device = torch_xla.device()
+    ids, position = (t.to(device) for t in cached.program.example_inputs[0])
+    body = on_xla.body.graph_module
+    traced_on = []
+
+    def slow_trace(*args, **kwargs):  # 0.4 s of host work while the body is traced
+        traced_on.append(threading.current_thread())
+        time.sleep(0.4)
+        return body(*args, **kwargs)
+
+    on_xla.body.graph_module = _Body(slow_trace)
+    filled_on = []
+
+    def slow_fill():
+        filled_on.append(threading.current_thread())
+        time.sleep(0.4)
+        return None
+
+    with PipelinedStep(on_xla, timeout=30) as step:
+        step((ids, position)).cpu()  # compilations and the worker's start
+        start = time.perf_counter()
+        step((ids, position), fill=slow_fill).cpu()
+        wall = time.perf_counter() - start
+        assert wall < 0.7, f"tracing 0.4 s + fill 0.4 s took {wall:.2f} s: they did not overlap"
+        assert traced_on[-1] is threading.main_thread() and filled_on[-1] is not threading.main_thread()
+        assert step.last_fill_seconds >= 0.4
+
+        def bad_fill():
+            raise ValueError("grammar exploded")
+
+        with pytest.raises(ValueError, match="grammar exploded"):
+            step((ids, position), fill=bad_fill)
+        assert step((ids, position)).cpu().shape == (BATCH,)  # the step still works
