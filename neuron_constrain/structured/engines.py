@@ -136,8 +136,8 @@ class _RowFillers:
     time from one shared iterator (``next`` on it is atomic under the GIL) fill in
     parallel, and a costly row (milliseconds inside a long string) is balanced by the
     cheap ones whichever thread takes it. Measured on 2 cores at batches 32 and 64 of
-    real schemas (``bench_host.py``): 1.04-1.35x one thread, where xgrammar's own
-    ``BatchGrammarMatcher(max_threads=2)`` was 0.63-0.80x; rows cost 1.4-1.8x more
+    real schemas (``bench_host.py``): 1.04-1.39x one thread, where xgrammar's own
+    ``BatchGrammarMatcher(max_threads=2)`` was 0.63-0.80x; rows cost 1.1-1.8x more
     each when both cores fill, and waking a thread costs ~25 us each way on that VM.
     Waits are bounded; a worker's error is raised on the calling thread.
     """

@@ -35,7 +35,7 @@ constrained row calls its matcher directly; more
 rows go to the engine's batch fill, which runs ``fill_threads`` threads without the GIL
 from ``parallel_min_rows`` rows on (default: 1 thread on a host of <= 2 cores, whose
 other core the model's step wants; else up to 8). Two threads filled batches 32 and 64
-1.04-1.35x as fast as one on 2 idle cores (``benchmarks/bench_host.py``).
+1.04-1.39x as fast as one on 2 idle cores (``benchmarks/bench_host.py``).
 """
 from __future__ import annotations
 
