@@ -40,12 +40,12 @@ import pathlib
 import platform
 import random
 import statistics
-import threading
 import time
 
 import torch
 
 from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
 from grammar_states import SCHEMAS, load_schemas, tekken
 
 LIMIT = 8  # real schemas (grammar_states.SCHEMAS first: tool calls, configs, API objects)
@@ -69,36 +69,25 @@ def two_thread_makespan(costs: list[float]) -> float:
     return max(loads)
 
 
-class ContendedRows:
-    """Each row's fill timed while a second thread fills the other rows (both take rows one
-    at a time from one queue, as the engine's fill threads do): what a row costs when both
-    cores fill, GIL hand-backs included, against its cost alone (the rows-alone bound
-    assumes they cost the same)."""
+class ContendedRows(E._RowFillers):
+    """The engine's two fill threads (both take rows one at a time from one queue), each
+    row's fill timed: what a row costs when both cores fill, GIL hand-backs included,
+    against its cost alone (the rows-alone bound assumes they cost the same)."""
 
     def __init__(self):
-        self._start, self._done = threading.Lock(), threading.Lock()
-        self._start.acquire()
-        self._done.acquire()
-        self._claims, self._costs = iter(()), []
-        threading.Thread(target=self._work, daemon=True).start()
+        super().__init__(2)
+        self._costs: list[float] = []
 
     def _drain(self) -> None:
-        for matcher, buffer, row in self._claims:
+        buffer, costs = self._buffer, self._costs
+        for matcher, row in self._claims:
             tick = time.perf_counter()
             matcher.fill_next_token_bitmask(buffer, row)
-            self._costs.append(time.perf_counter() - tick)
-
-    def _work(self) -> None:
-        while True:
-            self._start.acquire()
-            self._drain()
-            self._done.release()
+            costs.append(time.perf_counter() - tick)
 
     def costs(self, matchers, buffer, rows) -> list[float]:
-        self._claims, self._costs = iter(list(zip(matchers, [buffer] * len(rows), rows))), []
-        self._start.release()
-        self._drain()
-        self._done.acquire()
+        self._costs = []
+        self.fill(matchers, buffer, rows)
         return self._costs
 
 
@@ -165,6 +154,8 @@ def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained
         samples["copy"].append(copy)
         samples["seeds"].append(seeds)
     runtime.close()
+    if contended is not None:
+        contended.close()
     med = {k: statistics.median(v) if v else 0.0 for k, v in samples.items()}
     return {
         "batch": batch,

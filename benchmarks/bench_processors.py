@@ -31,7 +31,7 @@ from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestPara
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
 from grammar_states import grammar_masks, random_masks
-from timing import interleaved, median_ms, paired, ratio, write_results
+from timing import interleaved, median_ms, ratio, write_results
 
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
 EOS = 2
@@ -86,11 +86,10 @@ def measure(model, kind: str, batch: int, backend: str, reps: int, mask: torch.T
         "step": kind, "batch": batch, "backend": backend,
         "processors_in_graph": site["processors"], "pruned": site["pruned"],
         "ms": median_ms(times),
-        "all_four/unconstrained": {**ratio(times, "all_four", "unconstrained"), "paired": paired(times, "all_four", "unconstrained")},
-        "all_four_random/unconstrained": {**ratio(times, "all_four_random", "unconstrained"),
-                                          "paired": paired(times, "all_four_random", "unconstrained")},
-        "all_four/mask": {**ratio(times, "all_four", "mask"), "paired": paired(times, "all_four", "mask")},
-        "mask/unconstrained": {**ratio(times, "mask", "unconstrained"), "paired": paired(times, "mask", "unconstrained")},
+        "all_four/unconstrained": ratio(times, "all_four", "unconstrained"),
+        "all_four_random/unconstrained": ratio(times, "all_four_random", "unconstrained"),
+        "all_four/mask": ratio(times, "all_four", "mask"),
+        "mask/unconstrained": ratio(times, "mask", "unconstrained"),
         "host_update_us": 1e6 * statistics.median(host),
         "transform_s": transform_s,
         "nodes_inserted": processed.report["logits_processors"].nodes_inserted,

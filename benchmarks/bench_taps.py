@@ -24,7 +24,7 @@ from neuron_constrain.replacement import active_context
 from neuron_constrain.testing import CachedGreedyStep
 from neuron_constrain.transform import strip_added_outputs
 from decode_steps import SMALL, compiled, decoder
-from timing import interleaved, median_ms, paired, ratio, write_results
+from timing import interleaved, median_ms, ratio, write_results
 
 ROUTER = "model.layers.*.mlp.router"
 MOE = dict(vocab_size=128256, hidden_size=1024, layers=8, intermediate_size=256, num_local_experts=4)
@@ -67,8 +67,8 @@ def measure(model, batch: int, backend: str, reps: int) -> dict:
     ms = median_ms(times)
     return {
         "batch": batch, "backend": backend, "taps": len(sites), "ms": ms,
-        "taps_off/untransformed": {**ratio(times, "taps_off", "untransformed"), "paired": paired(times, "taps_off", "untransformed")},
-        "taps_on/untransformed": {**ratio(times, "taps_on", "untransformed"), "paired": paired(times, "taps_on", "untransformed")},
+        "taps_off/untransformed": ratio(times, "taps_off", "untransformed"),
+        "taps_on/untransformed": ratio(times, "taps_on", "untransformed"),
         "feed_context_ms": 1e3 * statistics.median(feed),
         "feed_context/step": 1e3 * statistics.median(feed) / ms["taps_on"],
     }

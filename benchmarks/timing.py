@@ -29,10 +29,11 @@ def interleaved(runs: dict[str, Callable[[], object]], reps: int, warmup: int = 
 
 
 def ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> dict[str, float]:
-    """Ratio of medians and ratio of minima of two candidates."""
+    """Ratio of medians, ratio of minima, and the median of per-round ratios of two candidates."""
     return {
         "ratio_median": statistics.median(times[numerator]) / statistics.median(times[denominator]),
         "ratio_min": min(times[numerator]) / min(times[denominator]),
+        "paired": paired(times, numerator, denominator),
     }
 
 

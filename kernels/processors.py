@@ -32,19 +32,27 @@ def _valid(ids: torch.Tensor, width: int) -> torch.Tensor:
     return (ids >= 0) & (ids < width)
 
 
+def _min_tokens_terms(width: int, remaining: torch.Tensor, stop_ids: torch.Tensor, dtype: torch.dtype):
+    """min_tokens as scatter-add terms: ``-inf`` at live stop ids, ``+0`` (a no-op, at
+    column 0) for padding and for rows that may stop already."""
+    live = _valid(stop_ids, width) & (remaining > 0).unsqueeze(-1)
+    return torch.where(live, stop_ids, 0), torch.where(live, NEG_INF, 0.0).to(dtype)
+
+
+def _logit_bias_terms(width: int, ids: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
+    """logit_bias as scatter-add terms: each valid id's value, ``+0`` at column 0 for the rest."""
+    valid = _valid(ids, width)
+    return torch.where(valid, ids, 0), torch.where(valid, values.to(dtype), 0.0)
+
+
 def apply_min_tokens(logits: torch.Tensor, remaining: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
     """Mask a row's stop ids while it must still generate tokens (``remaining > 0``).
 
     ``remaining`` int ``[...]``: tokens still required before a stop token may be
     sampled; ``stop_ids`` int64 ``[..., S]`` (EOS and the request's stop token ids,
-    ``-1`` padded).
+    ``-1`` padded). One scatter-add into a copy of the logits.
     """
-    # One scatter-add into a copy of the logits: -inf at live stop ids, +0 (a no-op,
-    # at column 0) for padding and for rows that may stop already.
-    live = _valid(stop_ids, logits.shape[-1]) & (remaining > 0).unsqueeze(-1)
-    index = torch.where(live, stop_ids, 0)
-    add = torch.where(live, NEG_INF, 0.0).to(logits.dtype)
-    return logits.scatter_add(-1, index, add)
+    return logits.scatter_add(-1, *_min_tokens_terms(logits.shape[-1], remaining, stop_ids, logits.dtype))
 
 
 def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -52,9 +60,7 @@ def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tens
 
     A repeated id gets the sum of its values; ``-inf`` stays ``-inf``.
     """
-    valid = _valid(ids, logits.shape[-1])
-    index = torch.where(valid, ids, 0)
-    return logits.scatter_add(-1, index, torch.where(valid, values.to(logits.dtype), 0.0))
+    return logits.scatter_add(-1, *_logit_bias_terms(logits.shape[-1], ids, values, logits.dtype))
 
 
 def apply_min_tokens_and_logit_bias(
@@ -66,12 +72,10 @@ def apply_min_tokens_and_logit_bias(
     The same values: a row's additions are the stop ids' (``-inf`` or ``+0``) then the
     biases in their order, as the two scatters add them; ``-inf`` plus a bias is ``-inf``.
     """
-    width = logits.shape[-1]
-    live = _valid(stop_ids, width) & (remaining > 0).unsqueeze(-1)
-    valid = _valid(ids, width)
-    index = torch.cat([torch.where(live, stop_ids, 0), torch.where(valid, ids, 0)], dim=-1)
-    add = torch.cat([torch.where(live, NEG_INF, 0.0).to(logits.dtype), torch.where(valid, values.to(logits.dtype), 0.0)], dim=-1)
-    return logits.scatter_add(-1, index, add)
+    width, dtype = logits.shape[-1], logits.dtype
+    stop_index, stop_add = _min_tokens_terms(width, remaining, stop_ids, dtype)
+    bias_index, bias_add = _logit_bias_terms(width, ids, values, dtype)
+    return logits.scatter_add(-1, torch.cat([stop_index, bias_index], dim=-1), torch.cat([stop_add, bias_add], dim=-1))
 
 
 def apply_penalties(

@@ -227,18 +227,11 @@ class PipelinedStep:
         self.last_fill_seconds = clock() - tick
         tick = clock()
         try:
-            cut, self.last_body_seconds = future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            self._broken = f"the body did not finish within {self.timeout} s; this pipelined step is unusable"
-            raise PipelineTimeout(self._broken) from fill_error
-        except BaseException as body_error:
-            if fill_error is not None:
-                body_error.add_note(f"the mask fill failed too: {fill_error!r}")
-            raise
+            result, body_error = self._wait(future, "the body", cause=fill_error)
         finally:
             self.last_wait_seconds = clock() - tick
-        if fill_error is not None:
-            raise fill_error
+        _raise_errors(body_error, fill_error)
+        cut, self.last_body_seconds = result
         return self._head(cut, head_kwargs, filled)
 
     def _head(self, cut, head_kwargs: dict, filled: Mapping | None):
@@ -269,30 +262,36 @@ class PipelinedStep:
                 cut = module(*body_args, **fed)
             torch_xla.sync()  # dispatch: returns while the device runs the body
         except BaseException as body_error:
-            fill_error = self._wait(future, "the mask fill")[1] if future is not None else None
-            if fill_error is not None:
-                body_error.add_note(f"the mask fill failed too: {fill_error!r}")
-            raise
+            _raise_errors(body_error, self._wait(future, "the mask fill")[1] if future is not None else None)
         self.last_body_seconds = clock() - tick  # tracing + dispatch (the device time overlaps the fill)
         tick = clock()
         filled, self.last_fill_seconds = None, 0.0
         if future is not None:
             result, fill_error = self._wait(future, "the mask fill")
-            if fill_error is not None:
-                raise fill_error
+            _raise_errors(None, fill_error)
             filled, self.last_fill_seconds = result
         self.last_wait_seconds = clock() - tick
         device = next(t.device for t in pytree.tree_leaves(cut) if isinstance(t, torch.Tensor))
         filled = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (filled or {}).items()}
         return self._head(cut, head_kwargs, filled)
 
-    def _wait(self, future: concurrent.futures.Future, what: str):
+    def _wait(self, future: concurrent.futures.Future, what: str, cause: BaseException | None = None):
         """``(result, None)`` or ``(None, error)`` of ``future`` within ``timeout``; past it the step is unusable."""
         try:
             return future.result(timeout=self.timeout), None
         except concurrent.futures.TimeoutError:
             self._broken = f"{what} did not finish within {self.timeout} s; this pipelined step is unusable"
-            raise PipelineTimeout(self._broken) from None
+            raise PipelineTimeout(self._broken) from cause
         except BaseException as error:  # noqa: BLE001 - the caller decides which error wins
             return None, error
+
+
+def _raise_errors(body_error: BaseException | None, fill_error: BaseException | None) -> None:
+    """Raise the body's error (noting the fill's if it failed too), else the fill's; neither: return."""
+    if body_error is not None:
+        if fill_error is not None:
+            body_error.add_note(f"the mask fill failed too: {fill_error!r}")
+        raise body_error
+    if fill_error is not None:
+        raise fill_error
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import re
 import threading
@@ -144,7 +143,7 @@ class _RowFillers:
 
     def __init__(self, threads: int, timeout: float = 120.0):
         self.timeout = timeout
-        self._claims = iter(())
+        self._claims, self._buffer = iter(()), None
         self._errors: list[BaseException] = []
         self._closed = False
         self._broken = ""  # set when a fill thread did not finish in time
@@ -156,7 +155,8 @@ class _RowFillers:
             threading.Thread(target=self._work, args=(start, done), daemon=True, name="grammar-fill").start()
 
     def _drain(self) -> None:
-        for matcher, buffer, row in self._claims:
+        buffer = self._buffer
+        for matcher, row in self._claims:
             matcher.fill_next_token_bitmask(buffer, row)
 
     def _work(self, start: threading.Lock, done: threading.Lock) -> None:
@@ -174,7 +174,7 @@ class _RowFillers:
     def fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> None:
         if self._closed or self._broken:
             raise RuntimeError(self._broken or "the engine's fill threads were closed; make a new runtime")
-        self._claims = iter(list(zip(matchers, itertools.repeat(buffer), rows)))
+        self._claims, self._buffer = iter(list(zip(matchers, rows))), buffer
         for start in self._starts:
             start.release()
         try:
