@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 
 import neuron_constrain as nc
 from neuron_constrain.cli import build_parser, main
-from neuron_constrain.loading import LoadError, _walk, check_zip, load
+from neuron_constrain.loading import LoadError, load
+from neuron_constrain.loading.archive import check_zip
+from neuron_constrain.loading.program_json import _walk
 from neuron_constrain.testing import GreedyStep, VocabShardedGreedyStep, random_ids, tiny_decoder
 
 VOCAB, PADDED = 250, 256
@@ -284,7 +286,7 @@ def test_the_program_json_checks_accept_what_torch_writes_and_nothing_that_runs(
     import sympy
     from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-    from neuron_constrain.loading import _allowed_python_targets, _bad_guard, _bad_sympy, _bad_target
+    from neuron_constrain.loading.program_json import _allowed_python_targets, _bad_guard, _bad_sympy, _bad_target
 
     s0, s1 = sympy.Symbol("s0", positive=True, integer=True), sympy.Symbol("u1", integer=True)
     for expr in (s0, 4 * s0 * (s0 + 1), FloorDiv(s0, 2), ModularIndexing(s0, 1, 8), sympy.Max(s0, 3), s0 ** 2,

@@ -20,7 +20,7 @@ is a JSON document with the structure, checked against the tensors on load::
 Nothing is unpickled. The seeds' format (``torch.save(captures, "tensors.pt")`` and
 ``torch.save(prompt_ids, "prompt_token_ids.pt")``) is read only through
 ``torch.load(..., weights_only=True)``, after the zip checks of
-:func:`neuron_constrain.loading.check_zip`; a pickle that names anything but tensors
+:func:`neuron_constrain.loading.archive.check_zip`; a pickle that names anything but tensors
 and containers is refused. Every refusal is a :class:`~neuron_constrain.loading.LoadError`
 naming the file, the entry and the reason. This API (``save_captures``,
 ``load_captures``, ``TensorReplacer.from_files``) is what CLI commands that take
@@ -35,7 +35,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from neuron_constrain.loading import LoadError, _unpickling_reason, check_zip
+from neuron_constrain.loading import LoadError
+from neuron_constrain.loading.archive import check_zip
+from neuron_constrain.loading.payloads import unpickling_reason
 
 FORMAT = "neuron-constrain captures"
 VERSION = 1
@@ -178,7 +180,7 @@ def _weights_only_load(path: str):
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        raise LoadError(path, f"holds objects a weights-only load refuses ({_unpickling_reason(e)}); only tensors, "
+        raise LoadError(path, f"holds objects a weights-only load refuses ({unpickling_reason(e)}); only tensors, "
                               "numbers and lists/dicts of them are read from torch.save files, nothing is unpickled "
                               "beyond that") from e
     except Exception as e:
