@@ -148,7 +148,7 @@ def test_property_graph_matches_reference_over_batch_updates(kind, masked, data)
             del requests[slot]
         free = [s for s in range(SLOTS) if s not in requests]
         added = [(s, data.draw(params_strategy()), data.draw(st.lists(tokens, max_size=4)))
-                 for s in data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3))]
+                 for s in data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3) if free else st.just([]))]
         for slot, params, prompt in added:
             requests[slot] = [params, prompt, []]
         moved = data.draw(st.lists(st.tuples(st.integers(0, SLOTS - 1), st.integers(0, SLOTS - 1),
