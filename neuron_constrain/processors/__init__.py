@@ -38,7 +38,8 @@ from neuron_constrain.processors.registry import (
     builtin_inputs,
     resolve_processors,
 )
-from neuron_constrain.processors.state import MOVE, SWAP, BatchUpdate, ProcessorState, RequestParams
+from neuron_constrain.processors.params import RequestParams
+from neuron_constrain.processors.state import MOVE, SWAP, BatchUpdate, ProcessorState
 
 __all__ = [
     "BUILTIN_INPUTS",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -18,9 +18,7 @@ from neuron_constrain.kernels import (
     apply_penalties,
     apply_temperature,
 )
-
-if TYPE_CHECKING:
-    from neuron_constrain.processors.state import RequestParams
+from neuron_constrain.processors.params import RequestParams
 
 PASS_NAME = "logits_processors"  # the key of the pass's entry in a TransformReport
 BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
@@ -60,7 +58,7 @@ class LogitsProcessor:
     def apply(self, logits: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def row(self, params: "RequestParams") -> Mapping[str, Any] | None:
+    def row(self, params: RequestParams) -> Mapping[str, Any] | None:
         return None
 
 

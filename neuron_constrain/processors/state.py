@@ -1,14 +1,15 @@
-"""Host state for the logits-processors pass: per-request parameters, batch updates
-and the per-slot tensors fed to the graph inputs the pass added."""
+"""Host state for the logits-processors pass: batch updates and the per-slot tensors
+fed to the graph inputs the pass added (per-request parameters: ``params.py``)."""
 from __future__ import annotations
 
 import dataclasses
 import math
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
+from neuron_constrain.processors.params import RequestParams
 from neuron_constrain.processors.registry import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
@@ -30,25 +31,6 @@ def _is_index(value) -> bool:
     except TypeError:
         return False
     return True
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestParams:
-    """One request's processor parameters (neutral defaults: the processor is off).
-
-    ``stop_token_ids``: the ids ``min_tokens`` keeps masked (the state adds its
-    ``eos_token_id``). ``extra``: values for custom processors' ``row()``.
-    """
-
-    min_tokens: int = 0
-    stop_token_ids: Sequence[int] = ()
-    logit_bias: Mapping[int, float] | None = None
-    min_p: float = 0.0
-    temperature: float = 1.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
