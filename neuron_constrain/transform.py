@@ -9,7 +9,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.replacement.context import record_captures, tap_input
+from neuron_constrain.tap_context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import logits_processors_pass, mask_logits_pass, replacement_tap_pass
 from neuron_constrain.passes.mask_logits_pass import is_empty_output

@@ -14,7 +14,9 @@ A context maps tap names (module paths as ``named_modules()`` spells them, plus
 ``:N`` when a selector was used) to a tensor, or to ``(values, enabled)`` where
 ``values`` is ``[rows, features]`` over the flattened leading dims of the tapped
 value and ``enabled`` is ``bool[rows]``. Tensors are reshaped to the graph's layout,
-cast to its dtype and moved to its device.
+cast to its dtype and moved to its device. The context itself lives in
+:mod:`neuron_constrain.tap_context`, which ``Transformed`` reads (the core imports
+nothing of this package); its functions are re-exported here.
 
 :class:`TensorReplacer` turns step-wise reference captures (from :func:`capture`
 or any other reference) into those contexts for prefill, batched decode and
@@ -27,16 +29,16 @@ the reference token on divergence.
 module whose numerics diverge from the reference (2n + 1 forward passes for n
 tapped modules).
 """
-from neuron_constrain.replacement.context import (
+from neuron_constrain.replacement.files import load_captures, save_captures
+from neuron_constrain.replacement.localize import LocalizationReport, LocalizationRow, localize, reference_captures
+from neuron_constrain.replacement.replacer import TensorReplacer
+from neuron_constrain.replacement.validation import StepResult, ValidationReport, capture, logit_validation
+from neuron_constrain.tap_context import (
     active_context,
     get_replacement_tensor,
     recording_captures,
     set_active_context,
 )
-from neuron_constrain.replacement.files import load_captures, save_captures
-from neuron_constrain.replacement.replacer import TensorReplacer
-from neuron_constrain.replacement.validation import StepResult, ValidationReport, capture, logit_validation
-from neuron_constrain.replacement.localize import LocalizationReport, LocalizationRow, localize, reference_captures
 
 __all__ = [
     "set_active_context",

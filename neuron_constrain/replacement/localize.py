@@ -40,9 +40,10 @@ import torch
 
 from neuron_constrain.errors import InputError
 from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
-from neuron_constrain.replacement.context import active_context, recording_captures
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.replacement.validation import capture
+from neuron_constrain.tap_context import active_context, recording_captures
+from neuron_constrain.transform import Transformed, transform
 
 LOGITS = "logits"  # the captures' entry for the reference's logits
 LAYERS = "model.layers.*"
@@ -274,8 +275,6 @@ def reference_captures(
 def _tapped_program(model, taps, example: torch.Tensor):
     """(Transformed, tap names in graph order) for ``model``: a ``Transformed`` with
     capture taps, or a module to export and tap once."""
-    from neuron_constrain.transform import Transformed, transform
-
     if not isinstance(model, Transformed):
         if not isinstance(model, torch.nn.Module) or hasattr(model, "_orig_mod"):
             raise InputError(
@@ -332,7 +331,6 @@ def load_tapped(program, names: Sequence[str]):
     from neuron_constrain.passes.replacement_tap_pass import _input_name
     from neuron_constrain.program import user_input_names
     from neuron_constrain.report import AddedInput, PassReport, TransformReport, symbolic_shape
-    from neuron_constrain.transform import Transformed, transform
 
     inputs = user_input_names(program)
     tap_inputs = [n for n in inputs if n.startswith("tap_")]
@@ -451,8 +449,6 @@ def localize(
     if isinstance(reference, torch.nn.Module):
         patterns = taps
         if patterns is None:
-            from neuron_constrain.transform import Transformed
-
             patterns = _graph_order(model) if isinstance(model, Transformed) else default_taps(model)
         with torch.no_grad():
             captures = reference_captures(reference, prompts, patterns, max_new_tokens)

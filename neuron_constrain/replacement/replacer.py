@@ -7,7 +7,8 @@ from typing import Mapping, Sequence
 import torch
 
 from neuron_constrain.errors import InputError
-from neuron_constrain.replacement.context import Entry
+from neuron_constrain.replacement.files import load_captures
+from neuron_constrain.tap_context import Entry
 
 
 class TensorReplacer:
@@ -135,8 +136,6 @@ class TensorReplacer:
         too), or the seeds' ``torch.save`` pair with ``prompt_token_ids_path``, read
         with ``weights_only=True``. Nothing in either file is unpickled.
         """
-        from neuron_constrain.replacement.files import load_captures
-
         return cls(*load_captures(tensors_path, prompt_token_ids_path))
 
 

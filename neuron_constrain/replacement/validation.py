@@ -8,8 +8,8 @@ import torch
 
 from neuron_constrain.errors import InputError
 from neuron_constrain.passes.replacement_tap_pass import as_taps, match_modules
-from neuron_constrain.replacement.context import active_context
 from neuron_constrain.replacement.replacer import TensorReplacer
+from neuron_constrain.tap_context import active_context
 
 
 def _last_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The active replacement context and capture recorders, per thread.
+"""The active replacement context and capture recorders, per thread: what
+``Transformed`` feeds its tap inputs from and hands its capture outputs to (the host
+runtime in ``replacement/`` builds the contexts and reads the captures).
 
 A context maps tap names (module paths as ``named_modules()`` spells them, plus
 ``:N`` when a selector was used) to a tensor, or to ``(values, enabled)`` where
