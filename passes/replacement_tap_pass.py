@@ -34,7 +34,8 @@ Option (per pass)
 
 Reports one site per tap (tap name, value node, module), the inputs and outputs
 added and the number of nodes inserted. A pattern that matches nothing raises with
-the nearest module paths of the program.
+the nearest module paths of the program. :func:`report_from_program` reads that
+report back from a tapped program (a saved ``.pt2`` keeps no report).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import TensorArgument
+from torch.export.graph_signature import OutputKind, TensorArgument
 
 from neuron_constrain.errors import TransformError
 from neuron_constrain.program import ProgramEditor, user_input_names
@@ -53,6 +54,7 @@ from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import normalize_module_path
 
 INPUT_PREFIX = "tap_"  # tap_<name> (replacement), tap_<name>_enabled (row flags)
+ENABLED_SUFFIX = "_enabled"
 RANK_INPUT = INPUT_PREFIX + "rank"
 CAPTURE_PREFIX = "capture_"
 
@@ -214,13 +216,8 @@ def _insert_tap(editor, report, tap: Tap, name: str, value, rank, world: int) ->
     input_name = _input_name(name)
     users = list(value.users)
     replacement = editor.add_tensor_input(input_name, (*full_leading, features), dtype, 0, device=val.device)
-    enabled = editor.add_tensor_input(input_name + "_enabled", full_leading, torch.bool, False, device=val.device)
-    report.inputs_added += [
-        AddedInput(input_name, dtype, symbolic_shape((*full_leading, features)), 0,
-                   doc=f"replacement for {name}", tap=(name, "values")),
-        AddedInput(input_name + "_enabled", torch.bool, symbolic_shape(full_leading), False,
-                   doc=f"rows of {name} to replace", tap=(name, "enabled")),
-    ]
+    enabled = editor.add_tensor_input(input_name + ENABLED_SUFFIX, full_leading, torch.bool, False, device=val.device)
+    report.inputs_added += _added_inputs(name, input_name, (*full_leading, features), dtype, full_leading)
 
     def tapped(computed, replacement, enabled, *rank_arg):
         if rank_arg:
@@ -242,4 +239,75 @@ def _insert_tap(editor, report, tap: Tap, name: str, value, rank, world: int) ->
     if tap.capture:
         editor.add_output(value, CAPTURE_PREFIX + name)
         report.outputs_added.append(CAPTURE_PREFIX + name)
-    report.sites.append({"node": value.name, "kind": "tap", "module": name.split(":")[0], "tap": name})
+    report.sites.append(_site(name, value.name))
+
+
+def _added_inputs(name: str, input_name: str, shape, dtype: torch.dtype, rows) -> list[AddedInput]:
+    """The report's entries for tap ``name``'s replacement ``[*rows, features]`` and its row flags ``[*rows]``."""
+    return [
+        AddedInput(input_name, dtype, symbolic_shape(shape), 0, doc=f"replacement for {name}", tap=(name, "values")),
+        AddedInput(input_name + ENABLED_SUFFIX, torch.bool, symbolic_shape(rows), False,
+                   doc=f"rows of {name} to replace", tap=(name, "enabled")),
+    ]
+
+
+def _site(name: str, value: str) -> dict:
+    return {"node": value, "kind": "tap", "module": name.split(":")[0], "tap": name}
+
+
+# ----------------------------------------------------------------------------- the report of a saved program
+
+def report_from_program(program: ExportedProgram, names: Sequence[str] = ()) -> PassReport | None:
+    """The report this pass wrote for ``program``, read back from the graph (a saved
+    ``.pt2`` keeps no report), or None when the program has no tap inputs.
+
+    Each ``tap_<name>`` / ``tap_<name>_enabled`` pair is traced to the
+    ``where(enabled, replacement, computed)`` it feeds: ``computed`` is the site.
+    An input name has lost its tap name's dots, so ``names`` (tap names, e.g. those
+    of a reference's captures) name the taps back; a tap no name matches is named
+    by its input. The outputs after the program's first are its capture outputs. A
+    ``tap_rank`` input (``sequence_parallel``) is reported without its bounds, which
+    the program does not record.
+    """
+    tap_inputs = [n for n in user_input_names(program) if n.startswith(INPUT_PREFIX)]
+    if not tap_inputs:
+        return None
+    by_input = {_input_name(n): n for n in names}
+    nodes = {n.name: n for n in program.graph.nodes}
+    report = PassReport(name="taps")
+    if RANK_INPUT in tap_inputs:
+        report.inputs_added.append(AddedInput(RANK_INPUT, torch.int64, (), None, doc="this rank's index"))
+    values = [n for n in tap_inputs if n + ENABLED_SUFFIX in tap_inputs]
+    unpaired = sorted(set(tap_inputs) - set(values) - {n + ENABLED_SUFFIX for n in values} - {RANK_INPUT})
+    if unpaired:
+        raise TransformError(f"the program has tap inputs {unpaired} without their {ENABLED_SUFFIX!r} flags (or "
+                             "flags without their values): not a program the replacement-tap pass wrote")
+    computed = {}  # the tapped value's node name -> tap name
+    for input_name in values:
+        name = by_input.get(input_name, input_name)
+        where = _wheres_fed_by(nodes[input_name + ENABLED_SUFFIX])
+        if len(where) != 1:
+            raise TransformError(f"tap input {input_name!r} does not feed one where(enabled, replacement, computed): "
+                                 "not a program the replacement-tap pass wrote")
+        computed[where[0].args[2].name] = name
+        report.sites.append(_site(name, where[0].args[2].name))
+        val, rows = nodes[input_name].meta["val"], nodes[input_name + ENABLED_SUFFIX].meta["val"]
+        report.inputs_added += _added_inputs(name, input_name, val.shape, val.dtype, rows.shape)
+    user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    report.outputs_added = [CAPTURE_PREFIX + computed.get(o, o) for o in user_outputs[1:]]
+    return report
+
+
+def _wheres_fed_by(enabled: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``where`` ops the flags ``enabled`` reach (through their unsqueeze, and the rank's index_select)."""
+    found, frontier, seen = [], list(enabled.users), set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target == torch.ops.aten.where.self:
+            found.append(node)
+        else:
+            frontier.extend(node.users)
+    return found

@@ -39,9 +39,11 @@ from typing import Sequence
 import torch
 
 from neuron_constrain.errors import InputError
-from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
+from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules, report_from_program
+from neuron_constrain.program import user_input_names
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.replacement.validation import capture
+from neuron_constrain.report import TransformReport
 from neuron_constrain.tap_context import active_context, recording_captures
 from neuron_constrain.transform import Transformed, transform
 
@@ -322,51 +324,24 @@ def load_tapped(program, names: Sequence[str]):
     """A ``Transformed`` for a saved program (whose report was not saved with it).
 
     A program with tap inputs (``transform(..., taps=[Tap(p, capture=True)])`` then
-    saved) has its tap inputs and capture outputs found in the graph and named by
-    ``names`` (the captures' tap names); a program without taps gets the tap pass now,
-    with capture taps on ``names``.
+    saved) gets the report the tap pass reads back from it
+    (:func:`~neuron_constrain.passes.replacement_tap_pass.report_from_program`), its
+    taps named by ``names`` (the captures' tap names); a program without taps gets the
+    tap pass now, with capture taps on ``names``.
     """
-    from torch.export.graph_signature import OutputKind
-
-    from neuron_constrain.passes.replacement_tap_pass import _input_name
-    from neuron_constrain.program import user_input_names
-    from neuron_constrain.report import AddedInput, PassReport, TransformReport, symbolic_shape
-
-    inputs = user_input_names(program)
-    tap_inputs = [n for n in inputs if n.startswith("tap_")]
-    if not tap_inputs:
+    report = report_from_program(program, names)
+    if report is None:
         return transform(program, logit_mask=None, taps=[Tap(n, capture=True) for n in names])
-    others = [n for n in inputs[1:] if not n.startswith("tap_")]
+    added = {i.name for i in report.inputs_added}
+    others = [n for n in user_input_names(program)[1:] if n not in added]
     if others:
         raise InputError(f"the program has inputs {others} besides input_ids and its taps; localize runs "
                          "programs rewritten with taps only (transform(..., logit_mask=None, taps=[...]))")
-    by_input = {_input_name(n): n for n in names}
-    nodes = {n.name: n for n in program.graph.nodes}
-    report = PassReport(name="taps")
-    computed = {}  # the tapped value's node name -> tap name
-    values = [n for n in tap_inputs if n + "_enabled" in tap_inputs]
-    unknown = sorted(set(tap_inputs) - set(values) - {n + "_enabled" for n in values})
-    if unknown:
-        raise InputError(f"the program has tap inputs {unknown} that localize cannot feed (e.g. sequence_parallel's "
+    unfed = sorted(i.name for i in report.inputs_added if i.tap is None)
+    if unfed:
+        raise InputError(f"the program has tap inputs {unfed} that localize cannot feed (e.g. sequence_parallel's "
                          "tap_rank); localize one rank's program tapped without sequence_parallel")
-    for name in values:
-        tap = by_input.get(name, name)
-        enabled = nodes[name + "_enabled"]
-        where = [w for u in enabled.users for w in u.users if w.target == torch.ops.aten.where.self]
-        if len(where) != 1:
-            raise InputError(f"tap input {name!r} does not feed one where(enabled, replacement, computed): "
-                             "not a program the replacement-tap pass wrote")
-        node = where[0].args[2].name
-        computed[node] = tap
-        report.sites.append({"node": node, "kind": "tap", "module": tap.split(":")[0], "tap": tap})
-        for input_name, role, fill in ((name, "values", 0), (name + "_enabled", "enabled", False)):
-            val = nodes[input_name].meta["val"]
-            fed = (tap, role) if tap in names else None  # a tap the captures do not name stays off
-            report.inputs_added.append(AddedInput(input_name, val.dtype, symbolic_shape(val.shape), fill,
-                                                  doc=f"{role} of tap {tap}", tap=fed))
-    user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    report.outputs_added = [CAPTURE_PREFIX + computed.get(o, o) for o in user_outputs[1:]]
-    return Transformed(program, TransformReport(passes={"taps": report}))
+    return Transformed(program, TransformReport(passes={report.name: report}))
 
 
 def _capturing(tap: Tap) -> Tap:
