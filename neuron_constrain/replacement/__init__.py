@@ -30,7 +30,8 @@ module whose numerics diverge from the reference (2n + 1 forward passes for n
 tapped modules).
 """
 from neuron_constrain.replacement.files import load_captures, save_captures
-from neuron_constrain.replacement.localize import LocalizationReport, LocalizationRow, localize, reference_captures
+from neuron_constrain.replacement.localization_report import LocalizationReport, LocalizationRow
+from neuron_constrain.replacement.localize import localize, reference_captures
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.replacement.validation import StepResult, ValidationReport, capture, logit_validation
 from neuron_constrain.tap_context import (
