@@ -69,32 +69,39 @@ def two_thread_makespan(costs: list[float]) -> float:
     return max(loads)
 
 
-class ContendedRows(E._RowFillers):
+class _TimedRow:
+    """A matcher whose fills are timed (what a row costs on whichever fill thread takes it)."""
+
+    __slots__ = ("matcher", "costs")
+
+    def __init__(self, matcher, costs: list[float]):
+        self.matcher, self.costs = matcher, costs
+
+    def fill_next_token_bitmask(self, buffer, row):
+        tick = time.perf_counter()
+        self.matcher.fill_next_token_bitmask(buffer, row)
+        self.costs.append(time.perf_counter() - tick)
+
+
+class ContendedRows(E.RowFillers):
     """The engine's two fill threads (both take rows one at a time from one queue), each
     row's fill timed: what a row costs when both cores fill, GIL hand-backs included,
     against its cost alone (the rows-alone bound assumes they cost the same)."""
 
     def __init__(self):
         super().__init__(2)
-        self._costs: list[float] = []
-
-    def _drain(self) -> None:
-        buffer, costs = self._buffer, self._costs
-        for matcher, row in self._claims:
-            tick = time.perf_counter()
-            matcher.fill_next_token_bitmask(buffer, row)
-            costs.append(time.perf_counter() - tick)
 
     def costs(self, matchers, buffer, rows) -> list[float]:
-        self._costs = []
-        self.fill(matchers, buffer, rows)
-        return self._costs
+        costs: list[float] = []
+        self.fill([_TimedRow(m, costs) for m in matchers], buffer, rows)
+        return costs
 
 
 def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained_share: float = 1.0, seed: int = 0,
         shuffle: bool = False) -> dict:
     runtime = S.StructuredRuntime(tok, max_rows=batch, fill_threads=threads)
-    runtime._compiled = warm._compiled  # grammars compiled once up front (seconds each at 131k tokens)
+    runtime.compiled.close()
+    runtime.compiled = warm.compiled  # grammars compiled once up front (seconds each at 131k tokens)
     rng = random.Random(seed)
     forced = [tokens + [tok.eos_id] for _, _, tokens in schemas]
     state, next_id = {}, 0
@@ -142,8 +149,8 @@ def run(batch: int, steps: int, tok, warm, schemas, *, threads: int, constrained
             kind, at, flag = state[request]
             tokens.append(forced[kind][at])
             state[request] = (kind, at + 1, flag)
-        finished = runtime.accept_rows(layout, tokens)
-        accept_total, accept_xgr = runtime.last_accept_seconds, runtime.last_accept_xgrammar_seconds
+        finished = runtime.accept_rows(layout, tokens).finished
+        accept_total, accept_xgr = runtime.last_accept_seconds, runtime.last_accept_engine_seconds
         for request in finished:  # leave, and a new request joins in the freed row
             runtime.remove(request)
             del state[request]

@@ -249,6 +249,37 @@ def toy_tokenizer(size: int | None = None):
     return Vocabulary(pieces, eos_id=eos_id)
 
 
+def force(engine, compiled, tokens: Sequence[int], *, buffer: torch.Tensor | None = None,
+          times: list | None = None, stop: bool = True) -> bool:
+    """Teacher forcing through a grammar engine: whether a fresh matcher of ``compiled``
+    takes ``tokens`` and then a stop token (``stop=False``: whether they are a prefix),
+    each one checked against the mask filled before it (the bit the graph reads) and by
+    ``accept_token``. ``times``: per token taken, ``(fill + accept seconds, fill seconds)``
+    is appended."""
+    import time
+
+    clock = time.perf_counter
+    buffer = torch.zeros((1, engine.width), dtype=torch.int32) if buffer is None else buffer
+    words = buffer.numpy()
+    matcher = engine.matcher(compiled)
+    tail = [engine.stop_token_ids[0]] if stop else []
+    for token in list(tokens) + tail:
+        start = clock()
+        failures = engine.batch_fill([matcher], buffer, [0])
+        fill = clock() - start
+        if failures:
+            raise failures[0][1]
+        if not (int(words[0, token >> 5]) >> (token & 31)) & 1:
+            return False
+        start = clock()
+        accepted = matcher.accept_token(token)
+        if times is not None:
+            times.append((fill + clock() - start, fill))
+        if not accepted:
+            return False
+    return matcher.is_terminated() if stop else True
+
+
 class ForcedStep(torch.nn.Module):
     """Greedy step with an additive ``bias [B, V]`` before the argmax: teacher forcing
     through a compiled graph. With ``bias = big * one_hot(token)`` the step returns

@@ -166,6 +166,19 @@ class Transformed(torch.nn.Module):
         kwargs = self._with_added_inputs(args, kwargs)
         return strip_added_outputs(self.graph_module(*args, **kwargs), self.report)
 
+    def run(self, *args, **kwargs) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Call the program and return ``(outputs, empty_rows)`` instead of raising
+        :class:`EmptyMaskRowError`: ``empty_rows`` maps each mask input (``"logit_mask"``,
+        ``"logit_mask_1"``...) to its bool flag per row, unread, on the outputs' device
+        (read it when you read the tokens: on torch-xla that is one transfer, not a sync
+        of its own). A runtime fails only the flagged requests
+        (``StructuredRuntime.accept_rows(batch, tokens, empty=...)``)."""
+        args, kwargs = self._arrange(args, kwargs)
+        kwargs = self._with_added_inputs(args, kwargs)
+        empty_rows: dict[str, torch.Tensor] = {}
+        out = strip_added_outputs(self.graph_module(*args, **kwargs), self.report, empty_rows=empty_rows)
+        return out, empty_rows
+
     def save(self, path) -> None:
         torch.export.save(self.program, path)
 
@@ -181,12 +194,13 @@ def _on_host(value: torch.Tensor) -> torch.Tensor:
     return value.cpu()
 
 
-def strip_added_outputs(out, report: TransformReport):
+def strip_added_outputs(out, report: TransformReport, *, empty_rows: dict | None = None):
     """The program's own outputs; acts on what the passes added.
 
     Each pass that adds outputs wraps the outputs so far as ``(outputs, *added)``:
     unwrap in reverse order. ``logit_mask_empty`` rows raise
-    :class:`EmptyMaskRowError`; ``capture_*`` values go to
+    :class:`EmptyMaskRowError`, or with ``empty_rows`` given go into it unread (mask
+    input name -> flags); ``capture_*`` values go to
     :func:`neuron_constrain.replacement.recording_captures`.
     """
     captures = {}
@@ -197,7 +211,9 @@ def strip_added_outputs(out, report: TransformReport):
         for name, value in zip(passed.outputs_added, added):
             if is_empty_output(name):
                 mask = name[: -len("_empty")]
-                if _tracing():
+                if empty_rows is not None:
+                    empty_rows[mask] = value
+                elif _tracing():
                     torch._assert_async(value.any().logical_not(), f"{mask} allows no token in some row")
                 elif value.device.type == "meta":
                     continue  # shapes only: there is no flag to read

@@ -11,7 +11,8 @@ import torch
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
-from neuron_constrain.testing import GreedyStep, tiny_decoder, weather_tool
+from neuron_constrain.kernels import unpack_bitmask
+from neuron_constrain.testing import GreedyStep, force, tiny_decoder, weather_tool
 
 BATCH = torch.export.Dim("batch")
 WEATHER = weather_tool(8)
@@ -29,7 +30,7 @@ def _prefix_ok(xgrammar_engine, constraint, tekken, tokens) -> bool:
     """The tokens are a prefix of some output of ``constraint``: a fresh xgrammar matcher takes each
     one and its mask allows it (xgrammar allows any tokenization; llguidance would refuse a
     non-canonical tokenization of forced text, so it is not the judge of xgrammar's outputs)."""
-    return E.force(xgrammar_engine, xgrammar_engine.compile(constraint), tokens, stop=False)
+    return force(xgrammar_engine, xgrammar_engine.compile(constraint), tokens, stop=False)
 
 
 def _all_kinds(tekken):
@@ -47,25 +48,32 @@ def _all_kinds(tekken):
     ]
 
 
+# Of _all_kinds, those whose every output is short (bounded strings, enums, fixed keys, one named
+# call): they must finish in the budget. Any JSON, the EBNF list and "required" (any number of
+# calls) can go on.
+BOUNDED = {0, 2, 3, 6}
+
+
 @pytest.mark.parametrize("engine", E.ENGINES)
 def test_every_kind_through_generate(model, tekken, engines, engine):
+    """Every kind runs through generate on the engine: an output is valid, or (for kinds that
+    can go on forever: any JSON, a repeating EBNF list) a valid prefix at the token limit."""
     constraints = _all_kinds(tekken)
     runtime = S.StructuredRuntime.for_model(model, tekken, max_rows=len(constraints), engine=engine)
     try:
-        result = S.generate(model, ["answer:"] * len(constraints), constraints, 32, tokenizer=tekken, runtime=runtime)
+        result = S.generate(model, ["answer:"] * len(constraints), constraints, 64, tokenizer=tekken, runtime=runtime)
     finally:
         runtime.close()
-    finished = 0
-    for constraint, out in zip(constraints, result.outputs):
+    for index, (constraint, out) in enumerate(zip(constraints, result.outputs)):
         assert out.finish_reason in ("stop", "length"), (constraint.describe(), out.error)
         named = {tekken.eos_id, tekken.control_token("[TOOL_CALLS]")}  # control tokens a grammar may name
         assert not any(t in tekken.special_ids and t not in named for t in out.tokens), out.tokens
+        if index in BOUNDED:
+            assert out.finish_reason == "stop", (engine, constraint.describe(), out.text)
         if out.finish_reason == "stop":
-            finished += 1
             assert S.validate_output(constraint, out.text) is None, (engine, constraint.describe(), out.text)
         else:  # a valid prefix
             assert _prefix_ok(engines["xgrammar"], constraint, tekken, out.tokens), (engine, constraint.describe(), out.text)
-    assert finished >= 3, [(o.finish_reason, o.text) for o in result.outputs]
 
 
 # Schemas where neither engine forces text: llguidance tokenizes forced text canonically
@@ -198,7 +206,7 @@ def test_errors_are_one_clean_line(engines, engine):
             engines[engine].compile(bad)
         message = str(info.value)
         assert "\n" not in message and engine in message, message
-    with pytest.raises(ValueError, match="pick one of xgrammar, llguidance"):
+    with pytest.raises(ValueError, match="pick one of auto, xgrammar, llguidance"):
         E.make_engine("outlines", None)
 
 
@@ -206,7 +214,7 @@ def test_ebnf_lookaheads_dropped_and_builtins_refused_on_llguidance(tekken, engi
     grammar = S.ebnf('root ::= item "b"\nitem ::= "a"+ (="b")')
     compiled = {n: e.compile(grammar) for n, e in engines.items()}
     for text in ("ab", "aaab", "b", "aa"):
-        verdicts = {n: E.force(e, compiled[n], tekken.encode(text)) for n, e in engines.items()}
+        verdicts = {n: force(e, compiled[n], tekken.encode(text)) for n, e in engines.items()}
         assert verdicts["xgrammar"] == verdicts["llguidance"] == (text in ("ab", "aaab")), (text, verdicts)
     with pytest.raises(S.ConstraintError, match="not defined.*engine='xgrammar'"):
         engines["llguidance"].compile(S.ebnf("root ::= basic_string"))
@@ -229,9 +237,9 @@ def test_ebnf_to_lark_accepts_exactly_what_xgrammar_accepts(tekken, engines, gra
     constraint = S.ebnf(grammar)
     compiled = {n: e.compile(constraint) for n, e in engines.items()}
     for text in texts:
-        verdicts = {n: E.force(e, compiled[n], tekken.encode(text)) for n, e in engines.items()}
+        verdicts = {n: force(e, compiled[n], tekken.encode(text)) for n, e in engines.items()}
         assert verdicts["xgrammar"] == verdicts["llguidance"], (text, verdicts, E.ebnf_to_lark(grammar))
-    assert any(E.force(engines["xgrammar"], compiled["xgrammar"], tekken.encode(t)) for t in texts)
+    assert any(force(engines["xgrammar"], compiled["xgrammar"], tekken.encode(t)) for t in texts)
 
 
 def test_lark_conversion_names_rules_and_refuses_duplicates():
@@ -268,3 +276,100 @@ def test_llguidance_forces_text_without_sentencepiece_dummy_prefix(name):
                         8, tokenizer=tok, engine="llguidance")
     assert [o.finish_reason for o in result.outputs] == ["stop", "stop"]
     assert result.outputs[0].text in ("true", "false") and result.outputs[1].text in ("yes", "no")
+
+
+# ----------------------------------------------------------------------------- the engine contract (base.py)
+
+
+class _Failing:
+    """A matcher whose fill raises: one request's broken grammar."""
+
+    def fill_next_token_bitmask(self, buffer, row=0):
+        raise RuntimeError("this grammar is broken")
+
+
+@pytest.mark.parametrize("name", E.ENGINE_CHOICES)
+def test_engine_contract(tekken, name):
+    """What base.py promises, run against each engine: rows refused before any write, mask and
+    accept agree, refused tokens leave no trace, stop and rollback, batch failures per row."""
+    engine = E.make_engine(name, tekken)
+    try:
+        compiled = engine.compile(S.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                 "required": ["a"]}))
+        matcher = engine.matcher(compiled)
+        parent = torch.full((4, engine.width), 7, dtype=torch.int32)
+        view = parent[:2]
+        for buffer, row in [(view, 2), (view, -1), (parent, 4)]:  # past the view writes into its parent
+            with pytest.raises((ValueError, RuntimeError), match="out of bounds|outside the buffer"):
+                matcher.fill_next_token_bitmask(buffer, row)
+            with pytest.raises(ValueError, match="outside the buffer"):
+                engine.batch_fill([matcher], buffer, [row])
+        for bad in (torch.zeros((2, engine.width), dtype=torch.int64), torch.zeros((2, engine.width + 1), dtype=torch.int32),
+                    torch.zeros((engine.width, 2), dtype=torch.int32).t()):
+            with pytest.raises(ValueError):
+                engine.batch_fill([matcher], bad, [0])
+        assert bool((parent == 7).all()), "a refused fill wrote into the buffer"
+
+        one = torch.zeros((1, engine.width), dtype=torch.int32)
+        text = tekken.encode('{"a":12}')
+        for step, token in enumerate(text + [tekken.eos_id]):
+            assert engine.batch_fill([matcher], one, [0]) == []
+            allowed = unpack_bitmask(one, tekken.vocab_size)[0]
+            assert bool(allowed[token]), step
+            ids = allowed.nonzero().flatten().tolist()
+            refused = (~allowed).nonzero().flatten().tolist()
+            for probe in ids[:: max(1, len(ids) // 20)] + [tekken.eos_id]:  # mask and accept agree
+                if bool(allowed[probe]) != matcher.accept_token(probe):
+                    raise AssertionError(f"{name}: token {probe} allowed={bool(allowed[probe])} at step {step}")
+                if bool(allowed[probe]):
+                    matcher.rollback(1)
+            for probe in refused[:: max(1, len(refused) // 20)]:
+                assert not matcher.accept_token(probe), (name, step, probe)  # and a refusal leaves no trace
+            assert matcher.accept_token(token), (name, step)
+        assert matcher.is_terminated()
+        matcher.rollback(1)
+        assert not matcher.is_terminated() and matcher.accept_token(tekken.eos_id)
+
+        rows = torch.zeros((3, engine.width), dtype=torch.int32)
+        fresh = [engine.matcher(compiled) for _ in range(2)]
+        failures = engine.batch_fill([fresh[0], _Failing(), fresh[1]], rows, [0, 1, 2])
+        assert [i for i, _ in failures] == [1] and "broken" in str(failures[0][1])
+        assert torch.equal(rows[0], rows[2]) and bool(rows[0].any()) and not bool(rows[1].any())
+    finally:
+        engine.close()
+
+
+def test_llguidance_dead_end_allows_nothing_rather_than_a_stop_token_it_refuses(tekken, engines):
+    """llguidance's mask allows EOS in an error state, where its matcher refuses EOS: the wrapper
+    clears such stop bits, so the row is empty (the graph flags it) and mask and accept agree."""
+    engine = engines["llguidance"]
+    matcher = engine.matcher(engine.compile(S.regex("ab")))
+    matcher.inner.consume_token(tekken.encode("x")[0])  # llguidance's own dead end: an error state
+    assert matcher.inner.is_error()
+    buffer = torch.zeros((1, engine.width), dtype=torch.int32)
+    assert engine.batch_fill([matcher], buffer, [0]) == []
+    assert not bool(buffer.any()), unpack_bitmask(buffer, tekken.vocab_size)[0].nonzero().flatten().tolist()
+    assert not matcher.accept_token(tekken.eos_id)
+
+
+def test_auto_takes_xgrammar_where_it_enforces_everything_and_llguidance_for_the_rest(tekken):
+    engine = E.make_engine("auto", tekken)
+    try:
+        plain = engine.compile(S.json_schema({"type": "array", "items": {"type": "integer"}}))
+        keys = engine.compile(S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}))
+        tag = engine.compile(S.tool_constraint([WEATHER], "required", format="hermes", tokenizer=tekken))
+        assert (plain.engine, keys.engine, tag.engine) == ("xgrammar", "llguidance", "xgrammar")
+        assert not keys.unenforced  # llguidance enforces patternProperties
+        with pytest.raises(S.ConstraintError, match="xgrammar"):  # neither takes it: both reasons
+            engine.compile(S.json_schema({"type": "array", "uniqueItems": True}))
+        matchers = [engine.matcher(c) for c in (plain, keys, plain)]
+        rows = torch.zeros((3, engine.width), dtype=torch.int32)
+        assert engine.batch_fill(matchers, rows, [2, 0, 1]) == []  # both engines' matchers in one batch
+        for compiled, row in zip((plain, keys), (2, 0)):
+            own = E.make_engine(compiled.engine, tekken)
+            one = torch.zeros((1, own.width), dtype=torch.int32)
+            own.matcher(own.compile(compiled.constraint)).fill_next_token_bitmask(one, 0)
+            assert torch.equal(rows[row], one[0]), compiled.engine
+        assert torch.equal(rows[1], rows[2])
+    finally:
+        engine.close()

@@ -13,6 +13,7 @@ import torch
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured import keywords as K
+from neuron_constrain.testing import force
 
 MASKBENCH = pathlib.Path(__file__).parent / "data" / "maskbench"
 WINDOW = 48  # the copy decoder echoes the token WINDOW positions back
@@ -110,7 +111,7 @@ def test_policy_refuses_by_default_names_keyword_path_and_fix(engines, engine, k
         assert other in message
         compiled = engines[other].compile(S.json_schema(schema, strict=False))
         assert not compiled.unenforced
-        assert not E.force(engines[other], compiled, engines[other].tokenizer.encode(_compact(PROBES[keyword][1])))
+        assert not force(engines[other], compiled, engines[other].tokenizer.encode(_compact(PROBES[keyword][1])))
 
 
 @pytest.mark.parametrize("engine, keyword", CASES, ids=[f"{e}-{k}" for e, k in CASES])
@@ -137,7 +138,7 @@ def test_formats_outside_the_standard_are_annotations_not_refusals(engines, tekk
     for name, engine in engines.items():
         compiled = engine.compile(S.json_schema(schema, strict=False))
         assert not compiled.unenforced
-        assert E.force(engine, compiled, tekken.encode('{"t":"anything"}')), name
+        assert force(engine, compiled, tekken.encode('{"t":"anything"}')), name
     assert K.post_validate(schema, '{"t":"anything"}') is None
 
 
@@ -179,7 +180,7 @@ def maskbench(tekken, engines):
                     records[name].append(record)
                     continue
             for test in data["tests"]:
-                accepted = E.force(engine, compiled, tekken.encode(_compact(test["data"])))
+                accepted = force(engine, compiled, tekken.encode(_compact(test["data"])))
                 if test["valid"] and not accepted and record["status"] == "compiled":
                     record["valid_errors"] += 1
                 if not test["valid"] and accepted:

@@ -66,7 +66,7 @@ def decode(step_fn, vocab, steps: int) -> list[list[int]]:
     out = []
     for position in range(steps):
         tokens = step_fn(ids, torch.tensor([position]), lambda: {"logit_mask": runtime.step(batch)})
-        finished = runtime.accept_rows(batch, tokens)
+        finished = runtime.accept_rows(batch, tokens).finished
         out.append(tokens.tolist())
         for request in finished:  # finished rows keep decoding their stop token (the row allows only that)
             assert int(tokens[request]) in runtime.stop_token_ids

@@ -166,7 +166,9 @@ def _teacher_force(forced, vocab, cases, seed):
                 f"request {request} step {position[request]}: token {want} ({vocab.pieces[want]!r}) was masked; "
                 f"the graph chose {got}"
             )
-        done = set(runtime.accept_rows(active, tokens))
+        accepted = runtime.accept_rows(active, tokens)
+        assert not accepted.failed, accepted.failed
+        done = set(accepted.finished)
         for request, token in zip(active, tokens):
             history[request].append(token)
             position[request] += 1
@@ -200,8 +202,10 @@ def test_teacher_forcing_catches_a_wrong_row(forced, vocab):
     bias[torch.arange(2), torch.tensor(need)] = 1e4
     tokens = forced(torch.zeros(2, 8, dtype=torch.long), bias, logit_mask=mask).tolist()
     assert tokens[0] != need[0] and tokens[1] != need[1]
-    with pytest.raises(S.DisallowedTokenError, match="request 'a'"):
-        runtime.accept_rows(["a", "b"], tokens)
+    failed = runtime.accept_rows(["a", "b"], tokens).failed
+    assert sorted(failed) == ["a", "b"] and all(isinstance(e, S.DisallowedTokenError) for e in failed.values())
+    assert "request 'a'" in str(failed["a"]) and "request 'b'" in str(failed["b"])  # both named, neither lost
+    assert runtime.error("a") is failed["a"] and runtime.finished("b")
 
 
 # ----------------------------------------------------------------------------- options and drafts

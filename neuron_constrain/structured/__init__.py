@@ -14,7 +14,7 @@ Per decode step the host does (``StructuredRuntime``):
               [max_rows, ceil(V/32)] (drafts: fill, accept draft, fill, ..., roll back);
               unconstrained rows are -1 (rewritten only when a grammar row used them)
         ->    buffer[:rows], a view: the packed mask the graph unpacks (V/8 bytes a row)
-    accept(request, tokens)   advance the grammar; a token it forbids raises, naming both
+    accept_rows(batch, tokens) advance each grammar: .finished, and .failed {request: error naming it}
 
 There is no compact mask and no reorder copy: rows are filled where the graph reads
 them. Constraints: :func:`json_schema`, :func:`any_json`, :func:`regex`,
@@ -36,13 +36,16 @@ from neuron_constrain.structured.constraints import (
     validate_output,
 )
 from neuron_constrain.structured.generate import GenerateResult, Generation, generate, transform_decoder
-from neuron_constrain.structured.runtime import (
+from neuron_constrain.structured.errors import (
     BatchLayoutError,
     DisallowedTokenError,
     GrammarFailedError,
+    GrammarFillError,
+    NoAllowedTokenError,
+    RequestFailedError,
     StructuredOutputsDisabledError,
-    StructuredRuntime,
 )
+from neuron_constrain.structured.runtime import Accepted, StructuredRuntime
 from neuron_constrain.structured.tokenizers import (
     Tokenizer,
     TokenizerInfoError,
@@ -55,10 +58,14 @@ from neuron_constrain.structured.tokenizers import (
 from neuron_constrain.structured.tools import TOOL_FORMATS, ToolCall, parse_tool_calls, tool_constraint
 
 __all__ = [
+    "Accepted",
     "Constraint",
     "ConstraintError",
     "DisallowedTokenError",
     "GrammarFailedError",
+    "GrammarFillError",
+    "NoAllowedTokenError",
+    "RequestFailedError",
     "Tokenizer",
     "TokenizerInfoError",
     "TokenizerLike",

@@ -129,19 +129,27 @@ def generate(
             length = window or max(len(sequences[i]) for i in active)
             rows = [([tokenizer.eos_id] * length + sequences[i])[-length:] for i in active]
             inputs = torch.tensor(rows, dtype=torch.long)
+            empty = None
             if step is not None:  # the fill runs while the body does
                 tokens = step((inputs,), fill=lambda: {"logit_mask": runtime.step(batch)})
             else:
                 mask = runtime.step(batch)
-                tokens = transformed(inputs) if mask is None else transformed(inputs, logit_mask=mask)
+                tokens, flags = transformed.run(inputs) if mask is None else transformed.run(inputs, logit_mask=mask)
+                empty = flags.get("logit_mask")
             step_host, step_fill = runtime.last_step_seconds, runtime.last_fill_seconds
-            done = set(runtime.accept_rows(batch, tokens))
+            accepted = runtime.accept_rows(batch, tokens, empty=empty)
             host.append(step_host + runtime.last_accept_seconds)
-            fill.append(step_fill + runtime.last_accept_xgrammar_seconds)
+            fill.append(step_fill + runtime.last_accept_engine_seconds)
+            failed = {ids.index(request_id) for request_id in accepted.failed}
+            for index, request_id in zip(active, batch):
+                if request_id in accepted.failed:
+                    errors[index] = str(accepted.failed[request_id])
             for index, token in zip(active, tokens.tolist()):
-                generated[index].append(token)
-                sequences[index].append(token)
-            waiting = [i for i in waiting if ids[i] not in done and len(generated[i]) < max_new_tokens]
+                if index not in failed:
+                    generated[index].append(token)
+                    sequences[index].append(token)
+            done = set(accepted.finished)
+            waiting = [i for i in waiting if i not in failed and ids[i] not in done and len(generated[i]) < max_new_tokens]
         unenforced = {i: runtime.unenforced(ids[i]) for i in range(len(prompts)) if i not in errors}
     finally:
         for request_id in added:

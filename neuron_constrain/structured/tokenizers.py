@@ -260,3 +260,36 @@ def audit(info: xgr.TokenizerInfo, tokenizer: Tokenizer, *, vocab_size: int | No
             f"{len(differ)} tokens decode differently in the tokenizer info and the tokenizer ({shown}); "
             f"the info was built for another tokenizer or vocab type: {fix}"
         )
+
+
+class _WithInfo:
+    """A tokenizer seen with a user-built (audited) tokenizer info."""
+
+    def __init__(self, tokenizer, info: xgr.TokenizerInfo):
+        self._tokenizer, self.info = tokenizer, info
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+class _InfoOnly:
+    """A bare ``xgrammar.TokenizerInfo`` seen through the tokenizer protocol (what the engine reads)."""
+
+    def __init__(self, info: xgr.TokenizerInfo):
+        self.info = info
+
+
+def with_info(tokenizer, tokenizer_info: xgr.TokenizerInfo | None = None):
+    """``tokenizer`` as the runtime reads it (``.info``): a bare ``TokenizerInfo`` as is, or a
+    tokenizer with a user-built info, audited against it first."""
+    if isinstance(tokenizer, xgr.TokenizerInfo):
+        tokenizer = _InfoOnly(tokenizer)
+    if tokenizer_info is None:
+        return tokenizer
+    if not hasattr(tokenizer, "special_ids"):
+        raise TypeError(
+            "tokenizer_info= is audited against the tokenizer's control tokens: pass a tokenizer from "
+            "from_huggingface / from_mistral, or pass the info alone as the tokenizer"
+        )
+    audit(tokenizer_info, tokenizer)
+    return _WithInfo(tokenizer, tokenizer_info)

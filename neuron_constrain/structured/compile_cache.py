@@ -1,0 +1,76 @@
+"""``CompileCache``: the runtime's one cache of compiled grammars, compiled on a thread pool.
+
+    cache = CompileCache(engine, workers=2, size=512)
+    job = cache.get(constraint)       # CompileJob: .future (-> engine.Compiled), .started (None while queued)
+    cache.put(compiled)               # a grammar compiled elsewhere (engine.compile), kept under its constraint
+    cache.hits, cache.misses
+
+Keyed by ``Constraint.key`` (kind, spec, options): a repeated schema is free, and
+concurrent requests with one schema share one compilation. A failed compilation is not
+kept: the next request with that constraint compiles it again. Past ``size`` entries the
+least recently used finished one is forgotten. ``job.started`` is when a worker began
+compiling (the request's time limit runs from then, not from when it was queued).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+
+from neuron_constrain.structured.constraints import Constraint
+
+
+class CompileJob:
+    """One compilation: its future and when a worker started it (``None`` while it waits in the queue)."""
+
+    __slots__ = ("future", "started")
+
+    def __init__(self):
+        self.future: concurrent.futures.Future | None = None
+        self.started: float | None = None
+
+
+class CompileCache:
+    def __init__(self, engine, *, workers: int, size: int):
+        self.engine = engine
+        self.size = size
+        self.hits = 0  # get() of a constraint compiled (or compiling) already
+        self.misses = 0
+        self._jobs: collections.OrderedDict[tuple, CompileJob] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+
+    def get(self, constraint: Constraint) -> CompileJob:
+        key = constraint.key
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is not None and not (job.future.done() and job.future.exception() is not None):
+                self.hits += 1
+                self._jobs.move_to_end(key)
+                return job
+            job = CompileJob()
+            job.future = self._pool.submit(self._compile, job, constraint)
+            self.misses += 1
+            self._jobs[key] = job
+            if len(self._jobs) > self.size:  # forget the least recently used finished compilation
+                oldest = next((k for k, j in self._jobs.items() if j.future.done()), None)
+                if oldest is not None:
+                    del self._jobs[oldest]
+            return job
+
+    def put(self, compiled) -> None:
+        """Keep a grammar compiled elsewhere (a warm-up, a benchmark's own engine) under its constraint."""
+        job = CompileJob()
+        job.future, job.started = concurrent.futures.Future(), time.perf_counter()
+        job.future.set_result(compiled)
+        with self._lock:
+            self._jobs[compiled.constraint.key] = job
+
+    def _compile(self, job: CompileJob, constraint: Constraint):
+        job.started = time.perf_counter()
+        return self.engine.compile(constraint)
+
+    def close(self) -> None:
+        """Stop the workers (running compilations finish first; queued ones are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

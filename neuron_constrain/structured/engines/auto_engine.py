@@ -1,0 +1,86 @@
+"""``engine="auto"``: xgrammar where it enforces the whole constraint, llguidance for the rest.
+
+    engine = AutoEngine(tokenizer)
+    compiled = engine.compile(json_schema(schema))   # compiled.engine: "xgrammar" or "llguidance"
+
+vLLM's ``auto`` backend makes the same choice. xgrammar is the faster engine per mask
+(2.6 us against 11 us between masks on the MaskBench sample, ``bench_schemas.py``), so it
+takes every constraint it compiles and enforces; a JSON schema holding a keyword xgrammar
+would not enforce (the never-silent policy, ``keywords.py``), or a constraint xgrammar
+cannot compile, goes to llguidance, which implements more of JSON Schema. Only when
+neither engine takes it is the request refused, with both reasons. ``unenforced="allow"``
+keeps its meaning: llguidance first for what xgrammar would not enforce, then xgrammar
+with the keywords listed.
+
+The two engines' matchers live side by side in one batch: fills and accepts go to the
+engine that made each matcher.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Sequence
+
+import torch
+
+from neuron_constrain.structured.constraints import Constraint, ConstraintError
+from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows
+from neuron_constrain.structured.engines.llguidance_engine import LLGuidanceEngine, LLGuidanceMatcher
+from neuron_constrain.structured.engines.xgrammar_engine import XGrammarEngine
+
+
+class AutoEngine(GrammarEngine):
+    """Per constraint, the first of xgrammar and llguidance that compiles and enforces it."""
+
+    name = "auto"
+
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
+        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+        self.xgrammar = XGrammarEngine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+        self._llguidance: LLGuidanceEngine | None = None  # built on first need (~0.3 s at 131k)
+        self._lock = threading.Lock()  # compilations run on the runtime's thread pool
+
+    @property
+    def llguidance(self) -> LLGuidanceEngine:
+        with self._lock:
+            if self._llguidance is None:
+                self._llguidance = LLGuidanceEngine(self.tokenizer, fill_threads=self.fill_threads,
+                                                   fill_timeout=self.fill_timeout)
+            return self._llguidance
+
+    def compile(self, constraint: Constraint) -> Compiled:
+        strict = dataclasses.replace(constraint, unenforced="refuse") if constraint.kind == "json_schema" else constraint
+        try:
+            return self.xgrammar.compile(strict)
+        except ConstraintError as refused:
+            xgrammar_said = str(refused)
+        try:
+            return self.llguidance.compile(constraint)
+        except (ConstraintError, ImportError, ValueError) as error:
+            if constraint.unenforced == "allow" and constraint.kind == "json_schema":
+                return self.xgrammar.compile(constraint)  # compiles; lists what it does not enforce
+            combined = ConstraintError(f"neither engine takes this constraint: llguidance: {' '.join(str(error).split())} "
+                                       f"| xgrammar: {xgrammar_said}")
+            combined.unenforced = getattr(error, "unenforced", None)  # a refusal (keywords.py), not a syntax error
+            raise combined from error
+
+    def matcher(self, compiled: Compiled):
+        return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
+
+    def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        check_rows(buffer, rows, self.width)
+        split = [i for i, m in enumerate(matchers) if isinstance(m, LLGuidanceMatcher)]
+        if not split:
+            return self.xgrammar.batch_fill(matchers, buffer, rows)
+        others = [i for i in range(len(matchers)) if not isinstance(matchers[i], LLGuidanceMatcher)]
+        failures = []
+        for engine, indices in ((self.llguidance, split), (self.xgrammar, others)):
+            if indices:
+                found = engine.batch_fill([matchers[i] for i in indices], buffer, [rows[i] for i in indices])
+                failures += [(indices[k], error) for k, error in found]
+        return sorted(failures, key=lambda failure: failure[0])
+
+    def close(self) -> None:
+        self.xgrammar.close()
+        if self._llguidance is not None:
+            self._llguidance.close()

@@ -1,0 +1,143 @@
+"""The contract every grammar engine implements, and the checks every engine inherits.
+
+    engine = XGrammarEngine(tokenizer)            # tokenizer: .info (+ .encode for llguidance)
+    compiled = engine.compile(constraint)         # ConstraintError (one line): refused or malformed
+    matcher = engine.matcher(compiled)            # a fresh GrammarMatcher per request
+    failures = engine.batch_fill(matchers, buffer, rows)   # [(index, error)] for the rows that failed
+    accepted = engine.batch_accept(matchers, tokens)       # [bool] per matcher
+
+What an engine promises (``tests/test_engines.py`` runs one contract test against each):
+
+* **Mask rows.** The mask is an int32 CPU tensor ``[rows, ceil(V/32)]``, token ``t`` is
+  bit ``t % 32`` of word ``t // 32``, 1 = allowed. ``fill_next_token_bitmask(buffer, row)``
+  writes row ``row`` of ``buffer`` and nothing else; a buffer of another dtype, device,
+  width or layout, or a row outside ``[0, buffer.shape[0])``, is refused before anything
+  is written (``batch_fill``: a ``ValueError`` from :func:`check_rows`; xgrammar's own
+  matcher raises its ``RuntimeError``). Control tokens are never allowed; stop tokens
+  only where the grammar may end.
+* **Mask and accept agree.** Every token the row allows, ``accept_token`` takes; a stop
+  token is allowed exactly when ``accept_token(stop)`` would succeed (a grammar at a dead
+  end allows nothing, so the graph's empty-row flag catches it, rather than allowing a
+  stop token it then refuses).
+* **Accept.** ``accept_token(t) -> bool``; ``False`` leaves the state unchanged.
+  ``is_terminated()`` is true once a stop token was accepted; ``rollback(n)`` undoes the
+  last ``n`` accepted tokens, a stop token included.
+* **Batch calls.** ``batch_fill`` fills every row it can and returns the rows that failed
+  as ``(index into matchers, error)``; one matcher's failure never leaves another's row
+  unfilled. ``batch_accept`` is ``accept_token`` per matcher.
+
+Engines do not cache compiled grammars: the runtime's one compile cache
+(``structured/compile_cache.py``) does, keyed by ``Constraint.key``.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar, Protocol, Sequence
+
+import torch
+
+from neuron_constrain.kernels import packed_width
+from neuron_constrain.structured import keywords
+from neuron_constrain.structured.constraints import Constraint
+
+
+class GrammarMatcher(Protocol):
+    """One request's grammar state (xgrammar's ``GrammarMatcher`` has exactly these methods)."""
+
+    def fill_next_token_bitmask(self, buffer: torch.Tensor, row: int = 0) -> bool: ...
+
+    def accept_token(self, token: int) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Compiled:
+    """A constraint compiled for one engine; ``unenforced`` lists what it will not enforce."""
+
+    engine: str
+    constraint: Constraint
+    grammar: Any  # xgrammar CompiledGrammar | llguidance LLMatcher (a template, deep-copied per request)
+    unenforced: tuple[keywords.Unenforced, ...] = ()
+
+
+def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> None:
+    """Refuse, before any write, a mask buffer or row an engine must not write into."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype is not torch.int32 or not buffer.is_cpu:
+        kind = f"a {buffer.dtype} tensor on {buffer.device}" if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+        raise ValueError(f"the mask buffer must be an int32 CPU tensor [rows, {width}], got {kind}")
+    if buffer.dim() != 2 or buffer.shape[1] != width or not buffer.is_contiguous():
+        raise ValueError(
+            f"the mask buffer must be a contiguous int32 tensor [rows, {width}] (ceil(vocab/32) words a row), "
+            f"got shape {tuple(buffer.shape)}{'' if buffer.is_contiguous() else ', not contiguous'}"
+        )
+    count = buffer.shape[0]
+    for row in rows:
+        if not 0 <= row < count:
+            raise ValueError(f"mask row {row} is outside the buffer's {count} rows; fill rows 0..{count - 1}")
+
+
+class GrammarEngine(abc.ABC):
+    """What the runtime needs of a grammar engine (see the module docstring for the contract)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
+        info = tokenizer.info
+        self.tokenizer = tokenizer
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self.width = packed_width(self.vocab_size)
+        self.stop_token_ids = tuple(info.stop_token_ids)
+        if not self.stop_token_ids:
+            raise ValueError("the tokenizer info has no stop token; build it with stop_token_ids=[<eos id>]")
+        self.fill_threads = fill_threads
+        self.fill_timeout = fill_timeout  # the longest wait for a fill thread (when there are several)
+
+    @abc.abstractmethod
+    def compile(self, constraint: Constraint) -> Compiled:
+        """``constraint`` compiled for this engine; raises :class:`ConstraintError` (one line).
+
+        A JSON schema holding a keyword this engine would not enforce is refused
+        (:meth:`keyword_policy`), unless the constraint opts in with ``unenforced="allow"``."""
+
+    def keyword_policy(self, constraint: Constraint) -> tuple[keywords.Unenforced, ...]:
+        """The never-silent policy: raises for a keyword this engine would not enforce, or
+        (``unenforced="allow"``) lists them."""
+        if constraint.kind != "json_schema":
+            return ()
+        return keywords.check(constraint.spec, self.name, constraint.unenforced)
+
+    @abc.abstractmethod
+    def matcher(self, compiled: Compiled) -> GrammarMatcher:
+        """A fresh matcher at the start of ``compiled``'s grammar."""
+
+    def batch_fill(self, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
+                   rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        """Fill ``rows[i]`` from ``matchers[i]``; returns the failures as ``(i, error)``."""
+        check_rows(buffer, rows, self.width)
+        return fill_each(matchers, buffer, rows)
+
+    def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        return [matcher.accept_token(token) for matcher, token in zip(matchers, tokens)]
+
+    def close(self) -> None:
+        """Stop the engine's fill threads, if it has any."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def fill_each(matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
+              rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+    """Row by row on this thread; a row that raises is reported and the others still filled."""
+    failures = []
+    for index, (matcher, row) in enumerate(zip(matchers, rows)):
+        try:
+            matcher.fill_next_token_bitmask(buffer, row)
+        except Exception as error:  # noqa: BLE001 - the request's own failure, reported with its index
+            failures.append((index, error))
+    return failures

@@ -1,0 +1,212 @@
+"""llguidance behind the engine contract: JSON schema, regex and Lark grammars.
+
+    engine = LLGuidanceEngine(tokenizer)               # tokenizer: .info and .encode (llguidance_tokenizer.py)
+    compiled = engine.compile(json_schema(schema))     # an LLMatcher template, deep-copied per request
+    matcher = engine.matcher(compiled)                 # LLGuidanceMatcher: xgrammar's methods and behaviour
+
+Every constraint kind is spelled in llguidance's grammar: a JSON schema through its JSON
+compiler (xgrammar's ``strict_mode`` written into the schema, the whitespace options
+matched), regex, choice and EBNF as Lark (``ebnf_to_lark.py``). llguidance's matcher
+differs from xgrammar's in four ways the wrapper hides: a refused token puts it in a
+permanent error state (we test with ``try_consume_tokens``); it is "stopped" as soon as
+only EOS may follow (xgrammar terminates only when the stop token is accepted); a stop
+token accepted while stopped is not counted by its rollback; and in an error or dead-end
+state its mask allows EOS, which ``accept_token`` then refuses — the wrapper clears such
+stop bits, so mask and accept agree (a dead end allows nothing).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from neuron_constrain.structured import keywords
+from neuron_constrain.structured.constraints import Constraint, ConstraintError
+from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, fill_each
+from neuron_constrain.structured.engines.ebnf_to_lark import ebnf_to_lark, lark_chars
+from neuron_constrain.structured.engines.llguidance_tokenizer import import_llguidance, llguidance_tokenizer
+
+
+class LLGuidanceEngine(GrammarEngine):
+    """llguidance: JSON schema / regex / Lark grammars; matchers wrapped to xgrammar's behaviour."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
+        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+        self._llg = import_llguidance()
+        self.lltokenizer = llguidance_tokenizer(tokenizer)
+        self._executor = None
+
+    def grammar_text(self, constraint: Constraint, *, options: dict | None = None) -> str:
+        """The llguidance grammar (its serialized form) of ``constraint``; ``options``: extra JSON options
+        (``lenient``, ``coerce_one_of``: only with keywords the caller lists as unenforced)."""
+        llg, kind, spec = self._llg, constraint.kind, constraint.spec
+        if kind == "json_schema":
+            spec = keywords.without_unknown_formats(spec, self.name)  # listed by keywords.check, or annotations
+            if constraint.strict:  # xgrammar's strict_mode, spelled in JSON schema
+                spec = _strict(spec)
+            return llg.LLMatcher.grammar_from_json_schema(spec, overrides={**_json_options(constraint), **(options or {})})
+        if kind == "json":  # xgrammar's builtin JSON grammar: an object or array, any whitespace
+            return llg.LLMatcher.grammar_from_json_schema({"type": ["object", "array"]},
+                                                          overrides={"whitespace_flexible": True})
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(lark_chars(o) for o in spec))
+        if kind == "ebnf":
+            return llg.LLMatcher.grammar_from_lark(ebnf_to_lark(spec))
+        if kind == "structural_tag":
+            raise ConstraintError(
+                "llguidance does not take xgrammar structural tags; use engine='xgrammar' for this tool format, "
+                "or tool_choice='required' (a JSON schema)"
+            )
+        raise ConstraintError(f"unknown constraint kind {kind!r}")
+
+    def _template(self, constraint: Constraint, options: dict):
+        try:
+            text = self.grammar_text(constraint, options=options)
+        except ConstraintError:
+            raise
+        except ValueError as error:
+            raise ConstraintError(
+                f"llguidance could not read this {constraint.kind} constraint ({' '.join(str(error).split())[:300]})"
+            ) from error
+        template = self._llg.LLMatcher(self.lltokenizer, text, log_level=0)
+        error = template.get_error() if template.is_error() else ""
+        return template, " ".join(line.strip() for line in error.strip().splitlines()[:3] if line.strip())
+
+    def compile(self, constraint: Constraint) -> Compiled:
+        unenforced = self.keyword_policy(constraint)
+        options: dict = {}
+        template, message = self._template(constraint, options)
+        while message and constraint.kind == "json_schema":
+            # llguidance refuses what it does not implement ("Unimplemented keys", non-disjoint oneOf),
+            # one kind per compile: refuse it (the policy), or list it and compile without it.
+            found, option = keywords.reported(constraint.spec, self.name, message)
+            if not found or option in options:
+                break
+            if constraint.unenforced != "allow":
+                keywords.refuse(found)
+            options[option] = True
+            unenforced = tuple(unenforced) + tuple(f for f in found if f not in unenforced)
+            template, message = self._template(constraint, options)
+        if message:
+            raise ConstraintError(
+                f"llguidance could not compile this {constraint.kind} constraint ({message[:400]}); fix the "
+                "schema/pattern/grammar, or use engine='xgrammar'"
+            )
+        return Compiled(self.name, constraint, template, unenforced)
+
+    def matcher(self, compiled: Compiled) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)
+
+    def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        check_rows(buffer, rows, self.width)
+        if self.fill_threads == 1 or len(matchers) == 1:
+            # Row by row: llguidance's LLExecutor(num_threads=1) took 1.9x as long at batch 32 on Tekken.
+            return fill_each(matchers, buffer, rows)
+        if self._executor is None:
+            self._executor = self._llg.LLExecutor(num_threads=self.fill_threads)
+        try:  # the rows were checked against the buffer above: the raw pointer stays inside it
+            self._executor.unsafe_compute_mask_ptr(
+                [(m.inner, int(r)) for m, r in zip(matchers, rows)], buffer.data_ptr(), self.width * 4, buffer.shape[0]
+            )
+        except Exception:  # noqa: BLE001 - which row failed: find it row by row
+            return fill_each(matchers, buffer, rows)
+        for matcher, row in zip(matchers, rows):
+            matcher.agree(buffer, row)
+        return []
+
+
+def _json_options(constraint: Constraint) -> dict:
+    """llguidance's JSON options for the constraint's whitespace (as xgrammar's, constraints.py)."""
+    whitespace = constraint.whitespace
+    if whitespace == "none":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    if whitespace == "compact":
+        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    if whitespace == "bounded":
+        count = constraint.max_whitespace
+        return {"whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{count}}}"}
+    return {"whitespace_flexible": True}
+
+
+class LLGuidanceMatcher:
+    """An ``llguidance.LLMatcher`` with xgrammar ``GrammarMatcher``'s methods and behaviour."""
+
+    __slots__ = ("inner", "width", "_stops", "_terminated", "_stop_counted")
+
+    def __init__(self, inner, stop_token_ids: Sequence[int], width: int):
+        self.inner, self.width = inner, width
+        self._stops = tuple(stop_token_ids)
+        self._terminated = False
+        self._stop_counted = False  # llguidance counted the accepted stop token (it was not stopped yet)
+
+    def fill_next_token_bitmask(self, buffer: torch.Tensor, row: int = 0) -> bool:
+        check_rows(buffer, (row,), self.width)  # before the raw write: it must land inside the buffer
+        size = self.width * 4
+        self.inner.unsafe_compute_mask_ptr(buffer.data_ptr() + row * size, size)
+        self.agree(buffer, row)
+        return True
+
+    def agree(self, buffer: torch.Tensor, row: int) -> None:
+        """Clear the stop bits ``accept_token`` would refuse: it takes a stop token only where the
+        grammar may end, while llguidance's mask allows EOS in an error or dead-end state too."""
+        if self.inner.is_accepting():
+            return
+        words = buffer.numpy().view(np.uint32)[row]
+        for stop in self._stops:
+            words[stop >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (stop & 31)))
+
+    def accept_token(self, token: int) -> bool:
+        if self._terminated:
+            return False
+        inner = self.inner
+        if token in self._stops:
+            if not inner.is_accepting():
+                return False
+            stopped = inner.is_stopped()
+            if not inner.consume_token(token):
+                return False
+            self._terminated, self._stop_counted = True, not stopped
+            return True
+        return inner.try_consume_tokens([token]) == 1  # consume_token would leave an error state
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if self._terminated:
+            self._terminated = False
+            if not self._stop_counted:
+                num_tokens -= 1
+        if num_tokens and not self.inner.rollback(num_tokens):
+            raise ValueError(f"llguidance could not roll back {num_tokens} tokens: {self.inner.get_error()[:200]}")
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+def _strict(schema):
+    """xgrammar's ``strict_mode`` spelled in JSON schema: objects with listed properties take no
+    others, tuples (``prefixItems``) no extra items, unless the schema says otherwise."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            out[key] = {k: _strict(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("enum", "const", "default", "examples", "required"):
+            out[key] = value
+        else:
+            out[key] = _strict(value)
+    if isinstance(out.get("properties"), dict) and not any(
+        k in out for k in ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    ):
+        out["additionalProperties"] = False
+    if isinstance(out.get("prefixItems"), list) and not any(k in out for k in ("items", "unevaluatedItems")):
+        out["items"] = False
+    return out
