@@ -58,9 +58,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import InputError, TransformError
-from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_mask_input
-from neuron_constrain.passes.replacement_tap_pass import INPUT_PREFIX
-from neuron_constrain.processors.registry import BUILTIN_INPUTS
+from neuron_constrain.mask_interface import MASK_INPUT
+from neuron_constrain.passes.logits_processors_pass import processors_pass_adds
+from neuron_constrain.passes.mask_logits_pass import mask_pass_adds
+from neuron_constrain.passes.replacement_tap_pass import tap_pass_adds
 from neuron_constrain.sites import find_logits_root
 from neuron_constrain.transform import Transformed, strip_added_outputs, transform
 
@@ -247,15 +248,13 @@ class Compiled:
     def _may_add(self, name: str) -> bool:
         """Whether the configured passes add (or may add, once compiled) an input called ``name``."""
         options = self.backend.pass_options
-        if name in self._added_names():
-            return True
-        if options.get("logit_mask") is not None and (name == RANK_INPUT or is_mask_input(name)):
-            return True
-        if options.get("taps") and name.startswith(INPUT_PREFIX):
-            return True
         processors = options.get("processors") or ()
-        custom = [p if isinstance(p, str) else getattr(p, "name", "") for p in processors]
-        return bool(processors) and (name in BUILTIN_INPUTS or any(name.startswith(f"{c}_") for c in custom))
+        return (
+            name in self._added_names()
+            or (options.get("logit_mask") is not None and mask_pass_adds(name))
+            or (bool(options.get("taps")) and tap_pass_adds(name))
+            or (bool(processors) and processors_pass_adds(name, processors))
+        )
 
     def __call__(self, *args, **kwargs):
         added = self._added_names()

@@ -66,11 +66,14 @@ second application raises.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch.export import ExportedProgram
 
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import allow_token_in_empty_rows, no_token_rows
+from neuron_constrain.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empty_row
 from neuron_constrain.processors.registry import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
@@ -86,10 +89,15 @@ from neuron_constrain.program import ProgramEditor, refuse_if_present, user_inpu
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits
 
-from .mask_logits_pass import EMPTY_OUTPUT, check_empty_row
-from .mask_logits_pass import RANK_INPUT as MASK_RANK_INPUT
-
 GREEDY_KINDS = ("argmax", "max")
+
+
+def processors_pass_adds(name: str, processors: Sequence) -> bool:
+    """Whether this pass, given ``processors`` (a non-empty list as ``transform()`` takes
+    it, unresolved), may add a user input called ``name``: a built-in processor's, or
+    ``<name>_<key>`` of a custom one."""
+    custom = [p if isinstance(p, str) else getattr(p, "name", "") for p in processors]
+    return name in BUILTIN_INPUTS or any(name.startswith(f"{c}_") for c in custom)
 
 
 def _own_scaling(stops: set, node: torch.fx.Node, width: int) -> list[torch.fx.Node]:
@@ -127,7 +135,7 @@ def logits_processors_pass(
     if not procs:
         raise TransformError("processors=[] inserts nothing; name at least one, or pass processors=None to skip the pass")
     refuse_if_present(program, BUILTIN_INPUTS, pass_name="logits-processors")
-    if MASK_RANK_INPUT in user_input_names(program):
+    if RANK_INPUT in user_input_names(program):
         raise TransformError(
             "the program's logits are one rank's vocab shard (it has a tp_rank input); the logits-processors pass "
             "needs the full vocabulary: run it on an unsharded step, or transform with tp_degree=1"
@@ -178,7 +186,7 @@ def logits_processors_pass(
                     add_input(name, dtype, tuple(sizes[d] for d in shape), fill, DOCS[name])
         else:
             for key, (dtype, shape, fill) in proc.inputs.items():
-                add_input(f"{proc.name}_{key}", dtype, tuple(shape), fill, f"input {key!r} of processor {proc.name!r}")
+                add_input(proc.input_name(key), dtype, tuple(shape), fill, f"input {key!r} of processor {proc.name!r}")
 
     for proc in stage_one:
         add_inputs_of(proc)
@@ -192,7 +200,7 @@ def logits_processors_pass(
         keys = list(proc.inputs)
         return editor.splice(
             lambda logits, *values: proc.apply(logits, **dict(zip(keys, values))),
-            [x, *(nodes[f"{proc.name}_{k}"] for k in keys)],
+            [x, *(nodes[proc.input_name(k)] for k in keys)],
             near=near,
             prefix=proc.name,
         )

@@ -45,7 +45,8 @@ Options
                  without ``tp_rank`` (never a silent rank 0) and checks its range.
 
 Reports the sites (node, kind, module), the mask points, the input (and output)
-added and the number of nodes inserted. A second application raises.
+added and the number of nodes inserted. A second application raises. The names of
+what it adds are :mod:`neuron_constrain.mask_interface`'s.
 """
 from __future__ import annotations
 
@@ -54,43 +55,24 @@ from torch.export import ExportedProgram
 
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import apply_bitmask, empty_rows, packed_width
+from neuron_constrain.mask_interface import (
+    MASK_INPUT,
+    RANK_INPUT,
+    check_empty_row,
+    empty_output_name,
+    is_mask_input,
+    mask_input_name,
+)
 from neuron_constrain.program import ProgramEditor, refuse_if_present
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import describe_head, module_path, plan_logits
 
-MASK_INPUT = "logit_mask"
-RANK_INPUT = "tp_rank"
-EMPTY_SUFFIX = "_empty"
-EMPTY_OUTPUT = MASK_INPUT + EMPTY_SUFFIX
 MASK_FORMATS = ("packed", "bool")
 
 
-def mask_input_name(head: int) -> str:
-    """The mask input of head ``head``: ``logit_mask`` (the main head), ``logit_mask_1``, ..."""
-    return MASK_INPUT if head == 0 else f"{MASK_INPUT}_{head}"
-
-
-def is_mask_input(name: str) -> bool:
-    """Whether ``name`` is a head's mask input (:func:`mask_input_name` of some head)."""
-    head = name[len(MASK_INPUT) + 1:] if name.startswith(MASK_INPUT + "_") else None
-    return name == MASK_INPUT or (head is not None and head.isdigit())
-
-
-def empty_output_name(mask_name: str) -> str:
-    """The empty-row flag output of the head masked by ``mask_name``."""
-    return mask_name + EMPTY_SUFFIX
-
-
-def is_empty_output(name: str) -> bool:
-    return name.startswith(MASK_INPUT) and name.endswith(EMPTY_SUFFIX)
-
-
-def check_empty_row(empty_row, vocab: int | None = None) -> None:
-    """``empty_row`` is "flag" or a token id below ``vocab`` (shared with the processors pass)."""
-    if not (empty_row == "flag" or (isinstance(empty_row, int) and not isinstance(empty_row, bool) and empty_row >= 0)):
-        raise TransformError(f"empty_row={empty_row!r}: use 'flag' or a token id >= 0 (e.g. the EOS id)")
-    if vocab is not None and isinstance(empty_row, int) and empty_row >= vocab:
-        raise TransformError(f"empty_row={empty_row} is not a token below vocab_size={vocab}")
+def mask_pass_adds(name: str) -> bool:
+    """Whether this pass may add a user input called ``name``: a head's mask, or ``tp_rank``."""
+    return is_mask_input(name) or name == RANK_INPUT
 
 
 def mask_logits_pass(

@@ -157,6 +157,11 @@ def _input_name(tap_name: str) -> str:
     return INPUT_PREFIX + re.sub(r"\W", "_", tap_name)
 
 
+def tap_pass_adds(name: str) -> bool:
+    """Whether this pass may add a user input called ``name`` (a tap's values or flags, or ``tap_rank``)."""
+    return name.startswith(INPUT_PREFIX)
+
+
 # ----------------------------------------------------------------------------- the pass
 
 def replacement_tap_pass(

@@ -61,6 +61,10 @@ class LogitsProcessor:
     def row(self, params: RequestParams) -> Mapping[str, Any] | None:
         return None
 
+    def input_name(self, key: str) -> str:
+        """The graph input that feeds ``inputs[key]``: ``<name>_<key>``."""
+        return f"{self.name}_{key}"
+
 
 # ----------------------------------------------------------------------------- resolving names
 

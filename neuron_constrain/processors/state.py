@@ -87,7 +87,7 @@ class ProcessorState:
                     self._specs[name] = (group, dtype, tuple(sizes[d] for d in shape), fill)
             else:
                 for key, (dtype, shape, fill) in proc.inputs.items():
-                    self._specs[f"{proc.name}_{key}"] = (proc.name, dtype, tuple(shape), fill)
+                    self._specs[proc.input_name(key)] = (proc.name, dtype, tuple(shape), fill)
         if input_names is not None:
             unknown = sorted(set(input_names) - set(self._specs))
             if unknown:
@@ -198,7 +198,7 @@ class ProcessorState:
                 continue
             values = proc.row(params)
             if values:
-                rows[proc.name] = {f"{proc.name}_{k}": v for k, v in values.items()}
+                rows[proc.name] = {proc.input_name(k): v for k, v in values.items()}
         return {
             g: {k: v for k, v in r.items() if k in self._specs or k == "columns"} for g, r in rows.items() if g in self.groups
         }
