@@ -40,6 +40,8 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from neuron_constrain.errors import TransformError
+
 __all__ = ["ProgramEditor", "refuse_if_present", "user_input_names", "user_outputs"]
 
 OUTPUT_TAG = "neuron_constrain_output"  # node.meta["custom"][OUTPUT_TAG]: the added output's name (saved in .pt2)
@@ -57,8 +59,6 @@ def user_outputs(graph: torch.fx.Graph, signature: ExportGraphSignature) -> list
 
 def refuse_if_present(program: ExportedProgram, names, *, pass_name: str) -> None:
     """Raise when ``program`` already has one of the user inputs ``names`` (the pass ran already)."""
-    from neuron_constrain.errors import TransformError
-
     present = sorted(set(names) & set(user_input_names(program)))
     if present:
         raise TransformError(
@@ -121,12 +121,6 @@ class ProgramEditor:
         val = self.fake(lambda: torch.empty(tuple(shape), dtype=dtype, device=device))
         hints = tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in shape)
         return self.add_input(name, val, torch.full(hints, fill, dtype=dtype))
-
-    def find_input(self, name: str) -> torch.fx.Node | None:
-        """The user input placeholder called ``name`` (None if the program has none)."""
-        if name not in user_input_names(self.program):
-            return None
-        return next(n for n in self.graph.nodes if n.op == "placeholder" and n.name == name)
 
     def find_output(self, name: str) -> torch.fx.Node | None:
         """The output a pass added as ``name`` (this editor's, or an earlier pass's), or None."""
