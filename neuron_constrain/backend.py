@@ -59,9 +59,9 @@ from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import InputError, TransformError
 from neuron_constrain.mask_interface import MASK_INPUT
-from neuron_constrain.passes.logits_processors_pass import processors_pass_adds
 from neuron_constrain.passes.mask_logits_pass import mask_pass_adds
-from neuron_constrain.passes.replacement_tap_pass import tap_pass_adds
+from neuron_constrain.passes.process_logits_pass import processors_pass_adds
+from neuron_constrain.passes.tap_modules_pass import tap_pass_adds
 from neuron_constrain.sites import find_logits_root
 from neuron_constrain.transform import Transformed, strip_added_outputs, transform
 

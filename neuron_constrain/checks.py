@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 from neuron_constrain.canonical import keyword_inputs
 from neuron_constrain.errors import TransformError
 from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_mask_input
-from neuron_constrain.passes.replacement_tap_pass import INPUT_PREFIX as TAP_PREFIX
-from neuron_constrain.passes.replacement_tap_pass import RANK_INPUT as TAP_RANK_INPUT
+from neuron_constrain.passes.tap_modules_pass import INPUT_PREFIX as TAP_PREFIX
+from neuron_constrain.passes.tap_modules_pass import RANK_INPUT as TAP_RANK_INPUT
 from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind

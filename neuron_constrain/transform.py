@@ -13,7 +13,7 @@ from neuron_constrain.tap_context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import logits_processors_pass, mask_logits_pass, replacement_tap_pass
 from neuron_constrain.mask_interface import is_empty_output
-from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
+from neuron_constrain.passes.tap_modules_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
 from neuron_constrain.report import AddedInput, TransformReport, unsizable
 
 __all__ = ["transform", "Transformed"]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import neuron_constrain as nc
 from neuron_constrain.errors import InputError, TransformError
 from neuron_constrain.passes import replacement_tap_pass
-from neuron_constrain.passes.replacement_tap_pass import match_modules
+from neuron_constrain.passes.tap_modules_pass import match_modules
 from neuron_constrain.replacement import (
     TensorReplacer,
     active_context,

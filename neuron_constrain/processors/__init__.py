@@ -1,7 +1,7 @@
 """Logits processors: which ones exist, how custom ones load, and the host state that
 feeds the graph inputs the logits-processors pass adds.
 
-Built-ins, in graph order (see ``neuron_constrain.passes.logits_processors_pass``)::
+Built-ins, in graph order (see ``neuron_constrain.passes.process_logits_pass``)::
 
     min_tokens   stop ids masked while a row still has to generate tokens
     logit_bias   sparse per-row token biases (fixed K ids/values per row)

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 from neuron_constrain.errors import InputError
-from neuron_constrain.passes.replacement_tap_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules, report_from_program
+from neuron_constrain.passes.tap_modules_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules, report_from_program
 from neuron_constrain.program import user_input_names
 from neuron_constrain.replacement.localization_report import LocalizationReport, LocalizationRow, LogitsError
 from neuron_constrain.replacement.replacer import TensorReplacer
@@ -150,7 +150,7 @@ def load_tapped(program, names: Sequence[str]):
 
     A program with tap inputs (``transform(..., taps=[Tap(p, capture=True)])`` then
     saved) gets the report the tap pass reads back from it
-    (:func:`~neuron_constrain.passes.replacement_tap_pass.report_from_program`), its
+    (:func:`~neuron_constrain.passes.tap_modules_pass.report_from_program`), its
     taps named by ``names`` (the captures' tap names); a program without taps gets the
     tap pass now, with capture taps on ``names``.
     """
