@@ -22,7 +22,7 @@ from neuron_constrain.passes.tap_modules_pass import INPUT_PREFIX as TAP_PREFIX
 from neuron_constrain.passes.tap_modules_pass import RANK_INPUT as TAP_RANK_INPUT
 from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs
 from neuron_constrain.kernels import pack_bool_mask
-from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind
+from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
 
 __all__ = ["CheckError", "Site", "check_program", "check_taps", "depends_on", "find_sites", "mask_inputs"]
 
@@ -47,12 +47,15 @@ class Site:
 
 def find_sites(program) -> list[Site]:
     """Every sampling op along the vocab axis of a projection's logits, found by walking
-    each op's inputs back to a projection of its width (not by the passes' planner);
-    a projection that nothing samples contributes the logits outputs it reaches."""
+    each op's input back, through values of its width, to a projection of that width
+    (not by the passes' planner); a projection that nothing samples contributes the
+    logits outputs it reaches. A projection multiplies the hidden state by a weight
+    (:func:`neuron_constrain.sites.projections`): attention scores over a KV cache are
+    as wide as the cache and feed a softmax, but no weight makes them, so that softmax
+    is no site."""
     graph = program.graph
-    found = projections(graph)  # graph order
+    found = projections(graph, weights=weight_names(program))  # graph order
     roots = set(found)
-    widths = {root: root.meta["val"].shape[-1] for root in roots}
     sites, sampled = [], set()
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in SAMPLING_OPS or not node.args:
@@ -60,7 +63,7 @@ def find_sites(program) -> list[Site]:
         value = node.args[0]
         val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
         kind = sampling_kind(node, val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() else None
-        root = None if kind is None else _nearest_root(value, roots, widths, val.shape[-1])
+        root = None if kind is None else _nearest_root(value, roots, val.shape[-1])
         if root is not None:
             sites.append(Site(node, kind, value, root))
             sampled.add(root)
@@ -72,26 +75,34 @@ def find_sites(program) -> list[Site]:
         val = out.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.is_floating_point():
             continue
-        root = _nearest_root(out, roots, widths, val.shape[-1])
+        root = _nearest_root(out, roots, val.shape[-1])
         if root is not None and root not in sampled and root is found[-1]:
             sites.append(Site(out, "logits output", out, root))
     return sites
 
 
-def _nearest_root(node, roots: set, widths: dict, width: int):
-    """The closest projection of ``width`` columns that ``node`` depends on, or None."""
+def _nearest_root(node, roots: set, width: int):
+    """The closest projection of ``width`` columns that ``node`` is computed from through
+    values ``width`` wide (the vocab axis kept last), or None."""
     seen, frontier = {node}, [node]
     while frontier:
         nxt = []
         for n in frontier:
-            if n in roots and widths[n] == width:
+            if n in roots:
                 return n
             for p in n.all_input_nodes:
-                if p not in seen:
+                if p not in seen and _last_dim(p) == width:
                     seen.add(p)
                     nxt.append(p)
         frontier = nxt
     return None
+
+
+def _last_dim(node):
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)) and val:  # sort / topk / max.dim: the values' width
+        val = val[0]
+    return val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else None
 
 
 def mask_inputs(program) -> dict[str, torch.fx.Node]:

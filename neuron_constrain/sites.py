@@ -1,15 +1,26 @@
 """Where the logits are and where they are sampled: graph analysis shared by passes and checks.
 
-Definitions, on an aten graph:
+Definitions, on an aten graph of an ``ExportedProgram``:
 
-* **logits root** — the vocabulary projection: the last matmul-like node whose
-  output is wider than its input (``out_features > in_features``, as every lm_head
-  is) and, when ``vocab_size`` is known, at least that wide.
-* **head** — a projection wider than its input whose logit space feeds a sampling
-  site, with those sites. The main head is the first in graph order (at least
-  ``vocab_size`` wide); the others (Medusa / MTP / EAGLE draft heads) are numbered
-  1, 2, ... in graph order. Without any sampler the one head is the logits root. Each head gets its own mask (``logit_mask``, ``logit_mask_1``, ...):
-  a draft head predicts another position, so its grammar row is another row.
+* **weight** — a value fixed for the program: computed only from parameters,
+  constants and buffers the program never writes (through views, transposes, casts,
+  dequantization ...). User inputs, and state the program writes (a KV cache), are
+  not weights, nor is anything computed from them. :func:`weight_names` reads them
+  off the program's signature (plus user inputs fed an ``nn.Parameter``: the
+  ``torch.compile`` backend's graphs take the model's parameters as inputs).
+* **projection** — a matmul-like node ``x @ W`` whose output is wider than its input
+  (``out_features > in_features``, as every lm_head is), where ``x`` depends on the
+  program's inputs (the hidden state) and ``W`` is a weight. A product of two
+  activations is never a projection: ``q @ k^T`` over a KV cache (decomposed
+  attention, explicit cache inputs) is as wide as the cache and feeds a softmax, and
+  it is not logits.
+* **logits root** — the last projection, at least ``vocab_size`` wide when that is known.
+* **head** — a projection whose logit space feeds a sampling site, with those sites.
+  The main head is the first in graph order (at least ``vocab_size`` wide); the
+  others (Medusa / MTP / EAGLE draft heads) are numbered 1, 2, ... in graph order.
+  Without any sampler the one head is the logits root. Each head gets its own mask
+  (``logit_mask``, ``logit_mask_1``, ...): a draft head predicts another position, so
+  its grammar row is another row.
 * **logit space** — the root and every node reached from it through ops that keep
   the vocab axis last and are not sampling ops (views, slices, casts, temperature
   division, soft-capping, bias adds ...).
@@ -31,6 +42,8 @@ import re
 
 import torch
 import torch.fx
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import TransformError
 from neuron_constrain.report import symbolic_shape
@@ -38,7 +51,7 @@ from neuron_constrain.report import symbolic_shape
 aten = torch.ops.aten
 
 __all__ = ["MaskPlan", "find_logits_root", "projections", "plan_heads", "plan_mask_points", "plan_logits",
-           "normalize_module_path", "module_path"]
+           "weight_names", "normalize_module_path", "module_path"]
 
 MATMUL_OPS = {
     aten.linear.default,
@@ -102,23 +115,71 @@ def sampling_kind(node: torch.fx.Node, width: int) -> str | None:
     return SAMPLING_OPS[node.target] if _dim_argument(node) in (-1, rank - 1) else None
 
 
-def projections(graph: torch.fx.Graph, min_width: int | None = None) -> list[torch.fx.Node]:
-    """Matmul-like nodes whose output is wider than their input (and >= ``min_width``), graph order."""
+def weight_names(program) -> frozenset[str]:
+    """The placeholders of ``program`` that hold weights: its parameters, constants and
+    the buffers it never writes (a static KV cache is written: not a weight), and the
+    user inputs fed an ``nn.Parameter`` (a dynamo graph re-exported by the
+    ``torch.compile`` backend takes the model's parameters as inputs)."""
+    signature = program.graph_signature
+    written = {s.target for s in signature.output_specs
+               if s.kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)}
+    kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    names = {s.arg.name for s in signature.input_specs if s.kind in kinds and s.target not in written}
+    if program.example_inputs is not None:
+        users = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+        args, kwargs = program.example_inputs
+        leaves = pytree.tree_leaves((args, kwargs))
+        if len(leaves) == len(users):
+            names |= {name for name, leaf in zip(users, leaves) if isinstance(leaf, torch.nn.Parameter)}
+    return frozenset(names)
+
+
+def _operands(node: torch.fx.Node):
+    """``(x, W)`` of a matmul-like node: the input it projects and the matrix it projects by."""
+    if node.target == aten.addmm.default:
+        return node.args[1], node.args[2]
+    return node.args[0], node.args[1]
+
+
+def _varying(graph: torch.fx.Graph, weights) -> set[torch.fx.Node]:
+    """Nodes whose value is not fixed for the program: placeholders that are not
+    weights, and everything computed from one."""
+    varying = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name not in weights:
+                varying.add(node)
+        elif any(p in varying for p in node.all_input_nodes):
+            varying.add(node)
+    return varying
+
+
+def projections(graph: torch.fx.Graph, min_width: int | None = None, *, weights=None) -> list[torch.fx.Node]:
+    """Projections (module docstring) at least ``min_width`` wide, in graph order.
+
+    ``weights``: the names of the weight placeholders (:func:`weight_names`). Without
+    them, every matmul-like node wider than its input: a superset, attention products
+    included, for callers that only need candidates.
+    """
+    varying = None if weights is None else _varying(graph, weights)
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in MATMUL_OPS:
             continue
-        out_w, in_w = _width(node), _width(node.args[0] if node.target != aten.addmm.default else node.args[1])
+        x, w = _operands(node)
+        out_w, in_w = _width(node), _width(x)
         if out_w is None or in_w is None or out_w <= in_w:
             continue
         if min_width is not None and out_w < min_width:
             continue
+        if varying is not None and (x not in varying or not isinstance(w, torch.fx.Node) or w in varying):
+            continue  # not the hidden state by a weight: a product of activations, or of weights alone
         found.append(node)
     return found
 
 
-def find_logits_root(graph: torch.fx.Graph, vocab_size: int | None = None) -> torch.fx.Node | None:
-    found = projections(graph, vocab_size)
+def find_logits_root(graph: torch.fx.Graph, vocab_size: int | None = None, *, weights=None) -> torch.fx.Node | None:
+    found = projections(graph, vocab_size, weights=weights)
     return found[-1] if found else None
 
 
@@ -180,8 +241,8 @@ def _plan_root(root: torch.fx.Node, outputs: list) -> MaskPlan | None:
     return MaskPlan(root, width, [point], sites)
 
 
-def plan_heads(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None) -> list[MaskPlan]:
-    """Every head, the main one first (see the module docstring).
+def plan_heads(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None, *, weights) -> list[MaskPlan]:
+    """Every head, the main one first (see the module docstring); ``weights``: :func:`weight_names`.
 
     Heads are the projections whose logits are sampled; the main head is the first of
     them in graph order that is at least ``vocab_size`` wide (the model's lm_head runs
@@ -189,9 +250,10 @@ def plan_heads(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = No
     With no sampler anywhere, the one head is the last projection (``vocab_size``
     wide or more) and its logits outputs are what gets masked.
     """
-    sampled = [plan for root in projections(graph) if (plan := _plan_root(root, [])) is not None and plan.sites]
+    roots = projections(graph, weights=weights)
+    sampled = [plan for root in roots if (plan := _plan_root(root, [])) is not None and plan.sites]
     if not sampled:
-        root = find_logits_root(graph, vocab_size)
+        root = find_logits_root(graph, vocab_size, weights=weights)
         plan = None if root is None else _plan_root(root, outputs)
         return [] if plan is None else [plan]
     wide = [p for p in sampled if vocab_size is None or p.width >= vocab_size]
@@ -201,9 +263,9 @@ def plan_heads(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = No
     return [main] + [p for p in sampled if p is not main]
 
 
-def plan_mask_points(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None) -> MaskPlan | None:
+def plan_mask_points(graph: torch.fx.Graph, outputs: list, vocab_size: int | None = None, *, weights) -> MaskPlan | None:
     """The main head's plan (``None`` if the graph has no logits)."""
-    heads = plan_heads(graph, outputs, vocab_size)
+    heads = plan_heads(graph, outputs, vocab_size, weights=weights)
     return heads[0] if heads else None
 
 
@@ -211,7 +273,8 @@ def describe_head(index: int, plan: MaskPlan) -> str:
     return f"head {index} ({plan.root.name} in {module_path(plan.root) or '<root>'}, {plan.width} wide)"
 
 
-def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size, *, what: str, shards: int = 1, several: bool = False):
+def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size, *, weights, what: str, shards: int = 1,
+                several: bool = False):
     """:func:`plan_heads` for a pass that adds per-row inputs; returns ``[(plan, vocab), ...]``.
 
     ``vocab`` is each head's full vocabulary: ``vocab_size`` (an int for every head,
@@ -226,15 +289,19 @@ def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size, *, what: str, 
         per_head = [int(v) for v in vocab_size]
         vocab_size = per_head[0] if per_head else None
     min_width = None if vocab_size is None else -(-vocab_size // shards)
-    heads = plan_heads(graph, outputs, min_width)
+    heads = plan_heads(graph, outputs, min_width, weights=weights)
     if not heads and vocab_size is not None:  # logits found, but narrower than vocab_size?
-        heads = plan_heads(graph, outputs, None)
+        heads = plan_heads(graph, outputs, None, weights=weights)
     if not heads:
+        unweighted = [n.name for n in projections(graph) if n not in projections(graph, weights=weights)]
         raise TransformError(
-            f"found no logits for {what}: the graph has no vocabulary projection (a matmul wider than its input"
-            + (f" and at least vocab_size={vocab_size} wide" if vocab_size else "")
+            f"found no logits for {what}: the graph has no vocabulary projection (a matmul of the hidden state by a "
+            "weight, wider than its input" + (f" and at least vocab_size={vocab_size} wide" if vocab_size else "")
             + ") that feeds a sampling op or an output; export the model with its lm_head, "
             "or pass the vocab_size that the logits have"
+            + (f". The matmuls {unweighted[:4]} are wider than their input but multiply two activations (attention "
+               "over a KV cache) or read a graph input as their matrix: if the lm_head weight is an input, "
+               "export it as a parameter or buffer" if unweighted else "")
         )
     names = "; ".join(describe_head(i, h) for i, h in enumerate(heads))
     if len(heads) > 1 and not several:

@@ -459,3 +459,98 @@ def weather_tool(max_location: int = 10, *, strict: bool = True) -> dict:
     if strict:
         parameters["additionalProperties"] = False
     return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+
+
+# ----------------------------------------------------------------------------- NxD-style token generation
+
+
+def sample_top_k_top_p(logits: torch.Tensor, sampling_params: torch.Tensor, uniform: torch.Tensor, *,
+                       global_top_k: int) -> torch.Tensor:
+    """NxD's on-device sampler on ``logits [B, V]``: ``topk`` (``global_top_k`` wide), each
+    row's own top-k, temperature, softmax, ``cumsum`` top-p, then the token whose
+    cumulative probability first passes ``uniform [B, 1]`` (in ``[0, 1)``).
+    ``sampling_params [B, 3]`` holds ``(top_k, top_p, temperature)`` per row."""
+    top_k, top_p, temperature = sampling_params[:, 0:1], sampling_params[:, 1:2], sampling_params[:, 2:3]
+    values, indices = logits.topk(global_top_k, dim=-1)
+    rank = torch.arange(global_top_k, device=logits.device)
+    values = values.masked_fill(rank >= top_k, float("-inf"))
+    probs = (values / temperature).softmax(-1)
+    cumulative = probs.cumsum(-1)
+    probs = probs.masked_fill(cumulative - probs > top_p, 0.0)  # the first token always stays
+    cdf = probs.cumsum(-1)
+    choice = (cdf < uniform * cdf[:, -1:]).sum(-1, keepdim=True).clamp(max=global_top_k - 1)
+    return indices.gather(-1, choice).squeeze(-1)
+
+
+class TokenGenerationStep(torch.nn.Module):
+    """An NxD-style token-generation step for one bucket, the KV cache explicit:
+    ``input_ids [B, 1], position_ids [B, 1], sampling_params [B, 3], uniform [B, 1],
+    cache -> (token [B], *new_cache)``.
+
+    ``cache`` is a tuple of per-layer key and value tensors ``[B, kv_heads, bucket,
+    head_dim]`` (``k0, v0, k1, v1, ...``), passed in and returned written at each row's
+    ``position_ids`` (the runtime aliases them), as NxD's token-generation model does.
+    Attention is NxD's: scores against the prior cache (``q @ K^T``, masked past each
+    row's position) and against the active key, combined by a manual softmax (``max``,
+    ``exp``, ``sum``); the sampler is :func:`sample_top_k_top_p`. The weights are a
+    Llama-family ``*ForCausalLM``'s (llama, mistral, qwen2), so the logits equal the
+    model's own. A bucket is one exported program per ``bucket`` length.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, batch_size: int, bucket: int, global_top_k: int = 16):
+        super().__init__()
+        if any(hasattr(layer.self_attn, "q_norm") for layer in model.model.layers):
+            raise ValueError("TokenGenerationStep runs Llama-family attention (no q/k norms); use llama, mistral or qwen2")
+        self.model = model
+        self.batch_size, self.bucket, self.global_top_k = batch_size, bucket, global_top_k
+        attention = model.model.layers[0].self_attn
+        self.kv_heads = model.config.num_key_value_heads
+        self.head_dim = attention.head_dim
+
+    def empty_cache(self) -> tuple[torch.Tensor, ...]:
+        shape = (self.batch_size, self.kv_heads, self.bucket, self.head_dim)
+        return tuple(torch.zeros(shape) for _ in range(2 * len(self.model.model.layers)))
+
+    def example_inputs(self, vocab_size: int, *, seed: int = 0) -> tuple:
+        generator = torch.Generator().manual_seed(seed)
+        batch = self.batch_size
+        params = torch.tensor([[self.global_top_k, 0.9, 0.8]]).repeat(batch, 1)
+        return (random_ids(batch, 1, vocab_size, seed=seed), torch.zeros(batch, 1, dtype=torch.long), params,
+                torch.rand(batch, 1, generator=generator), self.empty_cache())
+
+    def _attend(self, layer, x, position_ids, past_k, past_v):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+        attention = layer.self_attn
+        batch = x.shape[0]
+        q = attention.q_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+        k = attention.k_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+        v = attention.v_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+        cos, sin = self.model.model.rotary_emb(x, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        groups = attention.num_key_value_groups
+        prior = q @ repeat_kv(past_k, groups).transpose(2, 3) * attention.scaling  # [B, H, 1, bucket]
+        seen = torch.arange(self.bucket, device=x.device) < position_ids  # [B, bucket]: positions already cached
+        prior = prior.masked_fill(~seen[:, None, None, :], torch.finfo(prior.dtype).min)
+        active = q @ repeat_kv(k, groups).transpose(2, 3) * attention.scaling  # [B, H, 1, 1]
+        top = torch.maximum(prior.max(-1, keepdim=True).values, active)  # NxD's manual softmax
+        prior_exp, active_exp = (prior - top).exp(), (active - top).exp()
+        total = prior_exp.sum(-1, keepdim=True) + active_exp
+        out = (prior_exp / total) @ repeat_kv(past_v, groups) + (active_exp / total) @ repeat_kv(v, groups)
+        out = attention.o_proj(out.transpose(1, 2).reshape(batch, 1, -1))
+        where = position_ids[:, None, :, None].expand(batch, k.shape[1], 1, self.head_dim)
+        return out, past_k.scatter(2, where, k), past_v.scatter(2, where, v)
+
+    def logits(self, input_ids, position_ids, cache):
+        hidden = self.model.model.embed_tokens(input_ids)
+        new_cache = []
+        for index, layer in enumerate(self.model.model.layers):
+            out, k, v = self._attend(layer, layer.input_layernorm(hidden), position_ids, cache[2 * index], cache[2 * index + 1])
+            hidden = hidden + out
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            new_cache += [k, v]
+        return self.model.lm_head(self.model.model.norm(hidden))[:, -1], tuple(new_cache)
+
+    def forward(self, input_ids, position_ids, sampling_params, uniform, cache):
+        logits, new_cache = self.logits(input_ids, position_ids, cache)
+        return (sample_top_k_top_p(logits, sampling_params, uniform, global_top_k=self.global_top_k), *new_cache)

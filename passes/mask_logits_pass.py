@@ -65,7 +65,7 @@ from neuron_constrain.mask_interface import (
 )
 from neuron_constrain.program import ProgramEditor, refuse_if_present
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
-from neuron_constrain.sites import describe_head, module_path, plan_logits
+from neuron_constrain.sites import describe_head, module_path, plan_logits, weight_names
 
 MASK_FORMATS = ("packed", "bool")
 
@@ -92,7 +92,8 @@ def mask_logits_pass(
 
     editor = ProgramEditor(program)
     heads = plan_logits(
-        editor.graph, editor.user_output_nodes(), vocab_size, what="one logit_mask", shards=tp_degree, several=True
+        editor.graph, editor.user_output_nodes(), vocab_size, weights=weight_names(program), what="one logit_mask",
+        shards=tp_degree, several=True,
     )
     for _, vocab in heads:
         check_empty_row(empty_row, vocab)

@@ -87,7 +87,7 @@ from neuron_constrain.processors.registry import (
 )
 from neuron_constrain.program import ProgramEditor, refuse_if_present, user_input_names
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
-from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits
+from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits, weight_names
 
 GREEDY_KINDS = ("argmax", "max")
 
@@ -147,7 +147,8 @@ def logits_processors_pass(
     check_empty_row(empty_row)
 
     editor = ProgramEditor(program)
-    ((plan, vocab),) = plan_logits(editor.graph, editor.user_output_nodes(), vocab_size, what="one set of processor inputs")
+    ((plan, vocab),) = plan_logits(editor.graph, editor.user_output_nodes(), vocab_size, weights=weight_names(program),
+                                   what="one set of processor inputs")
     width = plan.width
     check_empty_row(empty_row, vocab)
 
