@@ -40,7 +40,7 @@ demo: .venv/.installed
 	.venv/bin/neuron-constrain demo
 
 test: .venv/.installed
-	.venv/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
+	NEURON_CONSTRAIN_LANE=main .venv/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
 
 test-latest: .venv-latest/.installed
 	.venv-latest/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)

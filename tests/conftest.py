@@ -1,3 +1,4 @@
+import importlib.metadata
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -15,6 +16,28 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 import pytest  # noqa: E402
+
+# The lane this run is on: `make test` sets NEURON_CONSTRAIN_LANE=main (torch 2.9 + torch-xla);
+# run by hand, the main lane is the one with torch 2.9. Only the other lanes may lack torch-xla.
+LANE = os.environ.get("NEURON_CONSTRAIN_LANE") or (
+    "main" if importlib.metadata.version("torch").startswith("2.9.") else "latest")
+
+
+def require_torch_xla():
+    """``torch_xla``, imported. On the main lane a missing torch-xla fails the test (the
+    lane installs it: a skip would hide that it broke); on the other lanes, which do not
+    install it, the test is skipped. Any other import error fails on every lane."""
+    try:
+        import torch_xla
+
+        return torch_xla
+    except ImportError as e:
+        error = f"{type(e).__name__}: {e}"
+    if LANE == "main":
+        pytest.fail(f"torch-xla does not import on the main lane ({error}); the main lane installs torch-xla==2.9.0 "
+                    "beside torch==2.9.0: rerun `make .venv/.installed` (or set NEURON_CONSTRAIN_LANE=latest on a "
+                    "lane without it)", pytrace=False)
+    pytest.skip(f"torch-xla is installed on the main lane only; this is the {LANE} lane", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ from neuron_constrain.kernels import (
     packed_width,
     unpack_bitmask,
 )
+from conftest import require_torch_xla
 
 aten = torch.ops.aten
 NEG_INF = float("-inf")
@@ -412,9 +413,7 @@ def test_kernels_trace_on_symbolic_fake_tensors_without_specialising_the_batch()
 
 
 def test_xla_lowering_compiles_once_for_changing_mask_contents():
-    torch_xla = pytest.importorskip(
-        "torch_xla", reason="torch-xla is installed on the main lane only (torch 2.9); the latest lane has none"
-    )
+    torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
     device = torch_xla.device()

@@ -20,6 +20,7 @@ from neuron_constrain.errors import InputError
 from neuron_constrain.replacement import localize, logit_validation, reference_captures
 from neuron_constrain.replacement.localize import LOGITS, default_taps
 from neuron_constrain.testing import LogitsStep, tiny_decoder
+from conftest import require_torch_xla
 
 VOCAB, LAYERS, NEW = 256, 3, 4
 PROMPTS = [[3, 14, 15, 92, 65], [27, 18, 28], [100, 101, 102, 103, 104, 105, 106]]  # lengths differ: padded slots
@@ -283,7 +284,7 @@ def test_graph_order_puts_each_router_before_its_layer():
 
 
 def test_compiles_once_on_xla():
-    pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    require_torch_xla()
     import torch_xla
     import torch_xla.debug.metrics as metrics
 

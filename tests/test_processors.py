@@ -25,6 +25,7 @@ from neuron_constrain.processors import (
     resolve_processors,
 )
 from neuron_constrain.testing import GreedyStep, SamplingStep, TopKMultinomialStep, random_ids, tiny_decoder
+from conftest import require_torch_xla
 
 aten = torch.ops.aten
 ALL = ["min_tokens", "logit_bias", "penalties", "min_p"]
@@ -523,7 +524,7 @@ def _symbols(info):
 
 
 def test_one_xla_compilation_for_every_processor_state():
-    torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only (torch 2.9)")
+    torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
     from neuron_constrain.xla import to_xla

@@ -22,6 +22,7 @@ from neuron_constrain.pipeline import split_step
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, CachedSamplingStep, cache_state, exponential_noise, tiny_decoder
 from neuron_constrain.transform import Transformed
+from conftest import require_torch_xla
 
 VOCAB, PADDED, BATCH, STEPS, EOS = 1000, 1024, 3, 5, 2
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
@@ -183,7 +184,7 @@ def test_both_halves_save_load_and_run_without_the_library(tmp_path):
 
 @pytest.mark.parametrize("cut_at", ["logits", "hidden"])
 def test_each_half_compiles_once_on_xla_and_the_head_takes_the_cut_and_mask(cut_at):
-    torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
     from neuron_constrain.xla import lower

@@ -24,6 +24,7 @@ from neuron_constrain.replacement import (
     set_active_context,
 )
 from neuron_constrain.testing import LogitsStep, random_ids, tiny_decoder
+from conftest import require_torch_xla
 
 VOCAB, BATCH, SEQ, EXPERTS, TOP_K = 256, 4, 5, 4, 2
 DIMS = ({0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1, max=64)},)
@@ -186,7 +187,7 @@ def test_switching_taps_never_recompiles_under_torch_compile():
 
 
 def test_switching_taps_compiles_once_on_xla():
-    pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    require_torch_xla()
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as metrics
 

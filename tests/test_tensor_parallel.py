@@ -25,6 +25,7 @@ from neuron_constrain.testing import (
     random_ids,
     tiny_decoder,
 )
+from conftest import require_torch_xla
 
 aten = torch.ops.aten
 BATCH, SEQ = 4, 5
@@ -251,7 +252,7 @@ def test_save_load_round_trip_takes_tp_rank(tmp_path):
 
 
 def test_one_xla_compilation_serves_every_rank():
-    torch_xla = pytest.importorskip("torch_xla")
+    torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as metrics
 
     from neuron_constrain.xla import to_xla

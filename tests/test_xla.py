@@ -21,15 +21,15 @@ import neuron_constrain as nc
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
 from neuron_constrain.xla import MissingDependencyError, example_inputs, hlo_parameters, lower, to_neff, to_xla
 from test_backend import BATCH, PADDED, SEQ, TAPS, VOCAB, check_cases
+from conftest import require_torch_xla
 
-NO_XLA = "torch-xla is installed on the main lane only (torch 2.9); the latest lane has none"
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 SCRIPT = Path(sys.executable).parent / "neuron-constrain"
 
 
 @pytest.fixture
 def xla():
-    torch_xla = pytest.importorskip("torch_xla", reason=NO_XLA)
+    torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
     return torch_xla, met

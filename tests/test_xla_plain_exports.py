@@ -28,8 +28,9 @@ from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
 from neuron_constrain.transform import strip_added_outputs
 from neuron_constrain.xla import hlo_parameters, lower, to_xla
+from conftest import require_torch_xla
 
-torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only (torch 2.9)")
+torch_xla = require_torch_xla()
 
 VOCAB, PADDED, BATCH, SEQ = 1000, 1024, 2, 6
 WIDTH = (VOCAB + 31) // 32
