@@ -19,6 +19,7 @@ from neuron_constrain.pipeline import PipelinedStep, PipelineTimeout, split_step
 from neuron_constrain.structured.runtime import StructuredRuntime
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, tiny_decoder, toy_tokenizer
 from test_split import fresh
+from conftest import require_torch_xla
 
 BATCH, MODEL_VOCAB = 4, 768
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
@@ -119,18 +120,41 @@ def test_the_body_thread_budget_is_its_own(cached):
     assert torch.get_num_threads() == before, "the worker's budget leaked into the caller's thread"
 
 
+class Rendezvous:
+    """Proof of overlap from events, not wall time: each side marks that it started, then
+    waits (bounded) for the other to start. Both see the other only if each started
+    before the other ended; run one after the other, the first side's wait times out."""
+
+    def __init__(self, timeout: float = 10.0):
+        self.timeout = timeout
+        self.started = {"body": threading.Event(), "fill": threading.Event()}
+        self.saw_other: dict[str, bool] = {}
+
+    def arrive(self, side: str) -> None:
+        other = "fill" if side == "body" else "body"
+        self.started[side].set()
+        self.saw_other[side] = self.started[other].wait(self.timeout)
+
+
 def test_the_fill_overlaps_the_body(cached):
     split = split_step(fresh(cached))
     ids, position = cached.program.example_inputs[0]
     body = split.body.graph_module
-    split.body.graph_module = _Body(lambda *a, **k: (time.sleep(0.4), body(*a, **k))[1])
+    meeting: list[Rendezvous] = []  # armed for the measured call only
+
+    def met_body(*args, **kwargs):
+        for m in meeting:
+            m.arrive("body")
+        return body(*args, **kwargs)
+
+    split.body.graph_module = _Body(met_body)
     with PipelinedStep(split, timeout=30) as step:
         step((ids, position))  # the worker starts
-        start = time.perf_counter()
-        step((ids, position), fill=lambda: time.sleep(0.4))
-        wall = time.perf_counter() - start
-    assert wall < 0.7, f"body 0.4 s + fill 0.4 s took {wall:.2f} s: they did not overlap"
-    assert step.last_fill_seconds >= 0.4 and step.last_body_seconds >= 0.4
+        meeting.append(Rendezvous())
+        step((ids, position), fill=lambda: meeting[0].arrive("fill"))
+    assert meeting[0].saw_other == {"body": True, "fill": True}, (
+        f"the body and the fill did not run at the same time (each saw the other start: {meeting[0].saw_other})")
+    assert step.last_fill_seconds > 0 and step.last_body_seconds > 0
 
 
 # ----------------------------------------------------------------------------- errors
@@ -193,7 +217,7 @@ def test_a_hung_body_times_out_and_the_step_refuses_after(cached):
 
 
 def test_pipelined_on_xla_equals_serial_with_one_compilation_per_half(cached, vocab):
-    torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
     serial_step = fresh(cached)
@@ -210,34 +234,37 @@ def test_pipelined_on_xla_equals_serial_with_one_compilation_per_half(cached, vo
 
 
 def test_on_xla_the_fill_runs_while_the_body_is_traced_and_its_error_surfaces(cached):
-    torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is installed on the main lane only")
+    torch_xla = require_torch_xla()
     on_xla = split_step(fresh(cached)).to()
     device = torch_xla.device()
     ids, position = (t.to(device) for t in cached.program.example_inputs[0])
     body = on_xla.body.graph_module
     traced_on = []
+    meeting: list[Rendezvous] = []  # armed for the measured call only
 
-    def slow_trace(*args, **kwargs):  # 0.4 s of host work while the body is traced
+    def traced(*args, **kwargs):  # host work while the body is traced
         traced_on.append(threading.current_thread())
-        time.sleep(0.4)
+        for m in meeting:
+            m.arrive("body")
         return body(*args, **kwargs)
 
-    on_xla.body.graph_module = _Body(slow_trace)
+    on_xla.body.graph_module = _Body(traced)
     filled_on = []
 
-    def slow_fill():
+    def fill():
         filled_on.append(threading.current_thread())
-        time.sleep(0.4)
-        return None
+        meeting[0].arrive("fill")
 
     with PipelinedStep(on_xla, timeout=30) as step:
         step((ids, position)).cpu()  # compilations and the worker's start
-        start = time.perf_counter()
-        step((ids, position), fill=slow_fill).cpu()
-        wall = time.perf_counter() - start
-        assert wall < 0.7, f"tracing 0.4 s + fill 0.4 s took {wall:.2f} s: they did not overlap"
+        meeting.append(Rendezvous())
+        step((ids, position), fill=fill).cpu()
+        assert meeting[0].saw_other == {"body": True, "fill": True}, (
+            f"tracing the body and the fill did not run at the same time (each saw the other start: "
+            f"{meeting[0].saw_other})")
         assert traced_on[-1] is threading.main_thread() and filled_on[-1] is not threading.main_thread()
-        assert step.last_fill_seconds >= 0.4
+        assert step.last_fill_seconds > 0
+        meeting.clear()
 
         def bad_fill():
             raise ValueError("grammar exploded")
