@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from neuron_constrain.errors import TransformError
 
-__all__ = ["ProgramEditor", "refuse_if_present", "user_input_names", "user_outputs"]
+__all__ = ["ProgramEditor", "refuse_if_present", "user_input_names", "user_outputs", "wheres_fed_by"]
 
 OUTPUT_TAG = "neuron_constrain_output"  # node.meta["custom"][OUTPUT_TAG]: the added output's name (saved in .pt2)
 
@@ -55,6 +55,19 @@ def user_outputs(graph: torch.fx.Graph, signature: ExportGraphSignature) -> list
     """The output values of ``graph`` that are user outputs (not buffer mutations), in order."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     return [o for o, s in zip(output.args[0], signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+
+
+def wheres_fed_by(source: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``where`` nodes ``source`` reaches through non-``where`` nodes (a tap's enable
+    flag: its own select), found without walking the whole graph."""
+    found, seen, stack = [], set(), [source]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            (found if user.target is torch.ops.aten.where.self else stack).append(user)
+    return found
 
 
 def refuse_if_present(program: ExportedProgram, names, *, pass_name: str) -> None:

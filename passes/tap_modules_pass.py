@@ -49,7 +49,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, TensorArgument
 
 from neuron_constrain.errors import TransformError
-from neuron_constrain.program import ProgramEditor, user_input_names
+from neuron_constrain.program import ProgramEditor, user_input_names, wheres_fed_by
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import normalize_module_path
 
@@ -290,7 +290,7 @@ def report_from_program(program: ExportedProgram, names: Sequence[str] = ()) -> 
     computed = {}  # the tapped value's node name -> tap name
     for input_name in values:
         name = by_input.get(input_name, input_name)
-        where = _wheres_fed_by(nodes[input_name + ENABLED_SUFFIX])
+        where = wheres_fed_by(nodes[input_name + ENABLED_SUFFIX])
         if len(where) != 1:
             raise TransformError(f"tap input {input_name!r} does not feed one where(enabled, replacement, computed): "
                                  "not a program the replacement-tap pass wrote")
@@ -301,18 +301,3 @@ def report_from_program(program: ExportedProgram, names: Sequence[str] = ()) -> 
     user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     report.outputs_added = [CAPTURE_PREFIX + computed.get(o, o) for o in user_outputs[1:]]
     return report
-
-
-def _wheres_fed_by(enabled: torch.fx.Node) -> list[torch.fx.Node]:
-    """The ``where`` ops the flags ``enabled`` reach (through their unsqueeze, and the rank's index_select)."""
-    found, frontier, seen = [], list(enabled.users), set()
-    while frontier:
-        node = frontier.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.target == torch.ops.aten.where.self:
-            found.append(node)
-        else:
-            frontier.extend(node.users)
-    return found
