@@ -1,0 +1,339 @@
+"""KV-cached decode programs for a Hugging Face ``*ForCausalLM``: a prefill program and an
+n-token step program over one static cache, exported once and rewritten by the passes.
+
+    decoder = export_decoder(model, max_batch=8, max_len=1024, vocab_size=tok.vocab_size)
+    first = decoder.run_prefill([[1, 2, 3], [4, 5]], rows=[0, 1], logit_mask=m)  # token [B]
+    nxt = decoder.run_step(first[:, None], positions=[3, 2], logit_mask=m)       # token [B]
+
+The cache: one ``keys_i`` / ``values_i`` buffer per layer, ``[max_batch, kv_heads,
+max_len, head_dim]``, read and written in place by both programs (the same tensors).
+**A row's cache slot is its token's position**: the token at position ``p`` of the
+request in cache row ``r`` lives in slot ``p`` of row ``r``. Whatever a slot held
+before (a finished request, a prompt's right padding, a rejected draft) is masked,
+or overwritten before any query may read it.
+
+    prefill(input_ids [B, T], rows [B], last [B]) -> token [B]
+        writes slots 0..T-1 of cache rows ``rows``, attends only its own T tokens
+        (causally: a fresh, right-padded prompt), samples at position last[b]
+    step(input_ids [B, n], position_ids [B, n], attention_mask [B, W]) -> token [B] (n = 1) or [B, n]
+        writes slots position_ids[b] of cache rows 0..B-1; query (b, t) attends the slots
+        j < W with attention_mask[b, j] and j <= position_ids[b, t] (and, on sliding-window
+        layers, position_ids[b, t] - j < window); samples every position
+
+``attention_mask`` says which slots hold the row's tokens and bounds the attention
+window ``W`` (the host buckets it: ``window_bucket``), so a step costs what the
+sequence needs, not the whole cache. ``n > 1`` (``new_tokens=``) is the verify step
+of speculative or jump-forward decoding: a row with fewer drafts pads with any token
+at later positions (later steps overwrite those slots) and may mark slots invalid.
+Step rows are cache rows ``0..B-1``: a finished request leaves by moving the rows
+after it down (:meth:`CachedDecoder.keep_rows`); a request that joins later is
+prefilled into the next free row.
+
+Exported non-strict by default (the cache writes stay in-place ``index_put_`` on the
+buffers), the batch dimension dynamic up to ``max_batch``, the prefill length and the
+window dynamic up to ``max_len``; on an AOT backend each (batch, length, window)
+bucket compiles once, and new positions, rows or masks never recompile.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+
+__all__ = ["CachedDecoder", "KVCache", "PrefillStep", "CachedStep", "export_decoder"]
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _windows(config) -> dict[str, int | None]:
+    """The attention window of each layer type (None: full attention); key ``"all"``: one for every layer.
+
+    Models with ``layer_types`` take a mask per type (GPT-OSS, Qwen2/3: a dict); the
+    others one mask, which replaces their own sliding-window mask (Mistral), so the
+    window is applied here."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types and "sliding_attention" in types:
+        return {"full_attention": None, "sliding_attention": window}
+    return {"all": window if getattr(config, "use_sliding_window", True) else None}
+
+
+class KVCache(torch.nn.Module):
+    """The static cache: ``keys_i`` / ``values_i`` buffers, ``[max_batch, kv_heads, max_len + 1, head_dim]``.
+
+    The slot past ``max_len`` is never written nor attended: with it every attention
+    window is a strict prefix of the buffer, so export sees one case (a window equal
+    to the whole buffer would be a contiguous view, and a guard on that size).
+    """
+
+    def __init__(self, config, *, max_batch: int, max_len: int, dtype: torch.dtype):
+        super().__init__()
+        self.layers = config.num_hidden_layers
+        self.max_batch, self.max_len = max_batch, max_len
+        shape = (max_batch, config.num_key_value_heads, max_len + 1, _head_dim(config))
+        for i in range(self.layers):
+            self.register_buffer(f"keys_{i}", torch.zeros(shape, dtype=dtype))
+            self.register_buffer(f"values_{i}", torch.zeros(shape, dtype=dtype))
+
+
+class _Writes:
+    """The ``past_key_values`` Hugging Face attention layers call ``update`` on: write the
+    new keys/values at (row, slot), return what the layer attends to.
+
+    Built inside ``forward`` from the cache module's buffers, so an export traces them
+    as buffers mutated in place, never as constants.
+    """
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor, slots: torch.Tensor, window: int | None):
+        self.keys = [getattr(cache, f"keys_{i}") for i in range(cache.layers)]
+        self.values = [getattr(cache, f"values_{i}") for i in range(cache.layers)]
+        heads = torch.arange(self.keys[0].shape[1], device=rows.device)
+        # broadcast to [B, kv_heads, n]: cache[rows[b], h, slots[b, t], :] = new[b, h, t, :]
+        self.index = (rows[:, None, None], heads[None, :, None], slots[:, None, :])
+        self.batch, self.window = rows.shape[0], window
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_put_(self.index, key_states)
+        values.index_put_(self.index, value_states)
+        if self.window is None:  # a fresh prompt attends only its own tokens
+            return key_states, value_states
+        return keys[: self.batch, :, : self.window], values[: self.batch, :, : self.window]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _masks(windows: dict, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, dtype):
+    """Additive ``[B, 1, T, S]`` masks (what every attention implementation takes) from query
+    positions ``[B, T, 1]``, key slots ``[1, 1, S]`` and valid slots ``[B, 1, S]``."""
+    allowed = key <= query
+    if valid is not None:
+        allowed = allowed & valid
+    zero = torch.zeros((), dtype=dtype, device=query.device)
+    masks = {}
+    for kind, window in windows.items():
+        kept = allowed if window is None else allowed & (query - key < window)
+        masks[kind] = torch.where(kept, zero, torch.finfo(dtype).min)[:, None]
+    return masks["all"] if "all" in masks else masks
+
+
+class _Program(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cache: KVCache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        self.windows = _windows(model.config)
+        self.dtype = next(model.parameters()).dtype
+
+    def _hidden(self, input_ids, position_ids, mask, writes) -> torch.Tensor:
+        return self.model.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=writes, use_cache=True
+        ).last_hidden_state
+
+
+class PrefillStep(_Program):
+    """``(input_ids [B, T], rows [B], last [B]) -> token [B]``: greedy at ``last[b]``; the
+    lm_head runs on those B hidden rows only."""
+
+    def forward(self, input_ids: torch.Tensor, rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device)
+        writes = _Writes(self.cache, rows, positions[None, :].expand(batch, -1), window=None)
+        mask = _masks(self.windows, positions[None, :, None], positions[None, None, :], None, self.dtype)
+        hidden = self._hidden(input_ids, positions[None, :], mask, writes)
+        hidden = hidden[torch.arange(batch, device=hidden.device), last]
+        return self.model.get_output_embeddings()(hidden).argmax(-1)
+
+
+class CachedStep(_Program):
+    """``(input_ids [B, n], position_ids [B, n], attention_mask [B, W]) -> token [B]`` (n = 1) or ``[B, n]``."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        batch, window = input_ids.shape[0], attention_mask.shape[1]
+        rows = torch.arange(batch, device=input_ids.device)
+        writes = _Writes(self.cache, rows, position_ids, window=window)
+        slots = torch.arange(window, device=input_ids.device)[None, None, :]
+        mask = _masks(self.windows, position_ids[:, :, None], slots, attention_mask[:, None, :], self.dtype)
+        hidden = self._hidden(input_ids, position_ids, mask, writes)
+        if hidden.shape[1] == 1:
+            hidden = hidden[:, 0]
+        return self.model.get_output_embeddings()(hidden).argmax(-1)
+
+
+GROUPED_SDPA = "neuron_constrain_grouped_sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """SDPA with each key/value head's query heads stacked as extra query rows.
+
+    Hugging Face's sdpa path copies every key/value head ``heads / kv_heads`` times
+    (``repeat_kv``) whenever it is traced: under export, a copy of the whole attention
+    window per layer and step (more than half a SmolLM2 step). Stacking the queries
+    instead (what HF does itself for one query when not traced, ``pack_gqa``) reads the
+    cache as it is. ``query [B, H, T, D]``, ``key/value [B, H_kv, S, D]``, ``attention_mask
+    [B, 1, T, S]`` additive -> ``[B, T, H, D]``."""
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    query = query.reshape(batch, kv_heads, groups * length, dim)  # head h = k * groups + g -> row g * T + t
+    if attention_mask is not None and groups > 1:
+        rows, size = attention_mask.shape[0], attention_mask.shape[-1]
+        attention_mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, 1, groups * length, size)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention(model, implementation: str | None):
+    """``model`` traced with another registered attention implementation (sdpa models only)."""
+    config = model.config
+    before = getattr(config, "_attn_implementation", None)
+    if implementation is None or before != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(implementation, grouped_sdpa)
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _round_up(value: int, step: int, limit: int) -> int:
+    return min(limit, -(-value // step) * step)
+
+
+@dataclasses.dataclass
+class CachedDecoder:
+    """The prefill and step programs of one model over one cache (see the module docstring).
+
+    ``prefill`` and each of ``steps`` (keyed by the tokens a row they take: 1 for
+    decoding, k + 1 to verify k drafts) are :class:`~neuron_constrain.transform.Transformed`;
+    ``cache``: the tensors they all read and write in place. ``run_*`` return
+    ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords such as
+    ``logit_mask=`` pass through). ``length_bucket`` / ``window_bucket``: the prefill
+    length and the attention window are rounded up to multiples of these (the shapes an
+    AOT backend compiles once each).
+    """
+
+    prefill: object
+    steps: dict
+    cache: list
+    max_batch: int
+    max_len: int
+    export_seconds: float
+    pad_id: int = 0
+    length_bucket: int = 8
+    window_bucket: int = 64
+
+    @property
+    def step(self):
+        """The one-token step program."""
+        return self.steps[min(self.steps)]
+
+    @property
+    def report(self):
+        return self.step.report  # what StructuredRuntime.for_model reads (the mask input)
+
+    def run_prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int], **extra):
+        """Prefill ``prompts`` into cache ``rows``: the token after each prompt, ``[B]``."""
+        if not prompts or len(prompts) != len(rows) or len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts for {len(rows)} rows: pass one row each, at most {self.max_batch}")
+        shortest, longest = min(len(p) for p in prompts), max(len(p) for p in prompts)
+        if shortest < 1 or longest > self.max_len:
+            raise ValueError(f"prompts of {shortest}..{longest} tokens: each needs 1 to max_len={self.max_len}")
+        length = _round_up(longest, self.length_bucket, self.max_len)
+        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+        last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+        return self.prefill.run(ids, torch.as_tensor(list(rows), dtype=torch.long), last, **extra)
+
+    def run_step(self, tokens, positions: Sequence[int], **extra):
+        """One step of cache rows ``0..B-1``: ``tokens [B, n]`` at positions ``positions[b] + 0..n-1``."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        batch, n = tokens.shape
+        if n not in self.steps:
+            raise ValueError(f"{n} tokens a row, but the step programs take {sorted(self.steps)}")
+        position_ids = torch.as_tensor(list(positions), dtype=torch.long)[:, None] + torch.arange(n)
+        end = int(position_ids.max()) + 1
+        if end > self.max_len or int(position_ids.min()) < 0:
+            raise ValueError(f"positions up to {end - 1}: the cache holds positions 0..{self.max_len - 1}")
+        window = _round_up(end, self.window_bucket, self.max_len)
+        attention_mask = torch.arange(window)[None, :] <= position_ids[:, -1:]
+        return self.steps[n].run(tokens, position_ids, attention_mask, **extra)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Move cache rows ``rows`` (ascending) to rows ``0..len(rows)-1`` (finished requests leave)."""
+        for new, old in enumerate(rows):
+            if new != old:
+                for tensor in self.cache:
+                    tensor[new].copy_(tensor[old])
+
+
+def _share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
+    """Make every program read and write the first one's cache tensors: in its state dict
+    (what split halves and ``program.module()`` take) and in its callable module."""
+    first = programs[0].program.state_dict
+    names = sorted((n for n in first if n.startswith(prefix)), key=lambda n: (int(n.rsplit("_", 1)[1]), n))
+    for transformed in programs:
+        state = transformed.program.state_dict
+        for name in names:
+            if tuple(state[name].shape) != tuple(first[name].shape):
+                raise RuntimeError(f"{name}: {tuple(state[name].shape)} in one program, {tuple(first[name].shape)} in another")
+            state[name] = first[name]
+            owner, _, leaf = name.rpartition(".")
+            transformed.graph_module.get_submodule(owner).register_buffer(leaf, first[name])
+    return [first[n] for n in names]
+
+
+def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_tokens: int | Sequence[int] = 1,
+                   strict: bool = False, pad_id: int = 0, **transform_options) -> CachedDecoder:
+    """Export ``model``'s prefill and step programs over one static cache and run the passes.
+
+    ``new_tokens``: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode
+    plus verify steps for 1, 3 and 7 drafts); one export each. ``vocab_size``: the
+    tokenizer's (the mask width); ``transform_options`` go to
+    :func:`neuron_constrain.transform` (e.g. ``logit_mask=None``). ``pad_id``: the token
+    right-padding a prompt (never attended by real tokens).
+    """
+    from torch.export import Dim
+
+    from neuron_constrain.transform import transform
+
+    sizes = sorted({new_tokens} if isinstance(new_tokens, int) else set(new_tokens))
+    if max_batch < 1 or max_len < 2:
+        raise ValueError(f"max_batch={max_batch}, max_len={max_len}: a cache needs at least one row and two slots")
+    if not sizes or not all(isinstance(n, int) and 1 <= n < max_len for n in sizes):
+        raise ValueError(f"new_tokens={new_tokens!r}: each step writes 1 to max_len - 1 tokens a row")
+    start = time.perf_counter()
+    cache = KVCache(model.config, max_batch=max_batch, max_len=max_len, dtype=next(model.parameters()).dtype)
+    batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC  # one row: a static batch
+    example = min(2, max_batch)
+    options = dict(vocab_size=vocab_size, strict=strict, **transform_options)
+    prefill = transform(
+        PrefillStep(model, cache),
+        (torch.zeros(example, 8, dtype=torch.long), torch.arange(example), torch.zeros(example, dtype=torch.long)),
+        dynamic_shapes=({0: batch, 1: Dim("length", min=1, max=max_len)}, {0: batch}, {0: batch}), **options,
+    )
+    steps = {}
+    window = Dim("window", min=1, max=max_len)
+    with _attention(model, GROUPED_SDPA):
+        for n in sizes:
+            ids = torch.zeros(example, n, dtype=torch.long)
+            steps[n] = transform(
+                CachedStep(model, cache),
+                (ids, ids + torch.arange(n), torch.ones(example, min(max(16, n), max_len), dtype=torch.bool)),
+                dynamic_shapes=({0: batch}, {0: batch}, {0: batch, 1: window}), **options,
+            )
+    tensors = _share_cache([prefill, *steps.values()])
+    return CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id)
