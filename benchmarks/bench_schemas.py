@@ -38,6 +38,7 @@ import torch
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured import keywords as K
 from neuron_constrain.structured.constraints import ConstraintError, json_schema
+from neuron_constrain.testing import force
 
 
 def load_tokenizer(name: str):

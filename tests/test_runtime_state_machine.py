@@ -44,6 +44,7 @@ POOL = [
 ]
 TIMEOUT, SLOW_SECONDS, FILL_TIMEOUT = 0.4, 0.8, 0.2
 HANG = threading.Event()  # set at teardown: hung fills return
+FIRED = {"raise": 0, "hang": 0}  # injected fills that ran: the faults must fire, or the machine proves nothing
 
 
 class _SlowCompiles:
@@ -59,17 +60,22 @@ class _SlowCompiles:
 
 
 def _faulty(matcher, fault: str):
-    """``matcher`` (same state) whose fills raise or, off the calling thread, never return."""
+    """``matcher`` (same state) whose fills raise ("raise"), never return off the calling thread
+    ("hang"), or take 0.5 s on the calling thread ("slow")."""
     base = type(matcher)
 
     class Faulty(base):
         __slots__ = () if hasattr(base, "__slots__") else ()
 
         def fill_next_token_bitmask(self, buffer, row=0):
+            FIRED[fault] = FIRED.get(fault, 0) + 1
+            on_caller = threading.current_thread() is threading.main_thread()
             if fault == "raise":
                 raise RuntimeError("injected fill failure")
-            if threading.current_thread() is not threading.main_thread():
+            if fault == "hang" and not on_caller:
                 HANG.wait()
+            if fault == "slow" and on_caller:  # the fill threads take the next rows meanwhile
+                time.sleep(0.5)
             return base.fill_next_token_bitmask(self, buffer, row)
 
     copy = object.__new__(Faulty)
@@ -117,8 +123,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         )
         self.reference = E.make_engine(self.ENGINE, VOCAB)
         self.marks: dict = {}
-        self.runtime.compiled.engine = _SlowCompiles(self.runtime.engine)
-        self.runtime.engine = _Faults(self.runtime.engine, self.marks)
+        self.runtime.compiled.engine = _SlowCompiles(self.runtime.engine)  # what compiles
+        self.runtime.requests.engine = _Faults(self.runtime.engine, self.marks)  # what makes each request's matcher
         self.models: dict[int, _Model] = {}
         self.next_id = 0
         self.compiled: dict = {}
@@ -164,7 +170,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         ids = sorted(self.models)
         while any(self.runtime.error(r) is None and r not in self.runtime.ready([r]) for r in ids):
             self.runtime.wait(ids, timeout=2 * SLOW_SECONDS)
-        order = data.draw(st.permutations(ids), label="order")[: data.draw(st.integers(1, len(ids)), label="size")]
+        size = data.draw(st.integers(1, min(len(ids), self.runtime.max_rows)), label="size")
+        order = data.draw(st.permutations(ids), label="order")[:size]
         ready = set(self.runtime.ready(ids))
         batch = [r for r in order if r in ready]
         draws = [(data.draw(st.sampled_from(["good", "good", "stop", "refused", "refused", "past", "empty"]), label="token"),
@@ -275,8 +282,10 @@ SETTINGS = settings(max_examples=25, stateful_step_count=12, deadline=None,
 
 @pytest.mark.parametrize("machine", [RuntimeMachine, LLGuidanceRuntimeMachine], ids=["xgrammar-2-threads", "llguidance"])
 def test_runtime_state_machine(machine):
+    FIRED.update({"raise": 0, "hang": 0})
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
+    assert FIRED["raise"] > 0 and FIRED["hang"] > 0, FIRED
 
 
 def test_xgrammar_matchers_can_be_made_faulty():
@@ -308,3 +317,49 @@ def test_two_refused_rows_and_a_token_past_the_vocabulary_fail_alone_in_one_step
         assert runtime.error(request_id) is error
     assert runtime.accept("b", [EOS])  # b advanced by "yes": only the stop token is left
     assert runtime.accept_rows(list("abcd"), [EOS] * 4).failed == {}  # each failure returned once
+
+
+def test_a_hung_fill_thread_fails_its_request_alone_and_the_runtime_keeps_serving():
+    """The fill thread hangs on request "hung": that request fails with a fill error naming it,
+    the others get their rows and tokens, the runtime moves to a fresh buffer (the straggler
+    writes into the old one when it wakes), and the next steps need no new runtime."""
+    runtime = S.StructuredRuntime(VOCAB, max_rows=4, fill_threads=2, parallel_min_rows=2, fill_timeout=0.3)
+    constraint = S.regex(r"[0-9]{1,3}")
+    batch = ["slow", "hung", "c", "d"]
+    for request_id in batch:
+        runtime.add(request_id, constraint)
+    runtime.wait(batch)
+    states = runtime.requests.states  # fault injection: the first row is slow on the caller (so the fill
+    states["slow"].matcher = _faulty(states["slow"].matcher, "slow")  # thread takes the next rows), the
+    states["hung"].matcher = _faulty(states["hung"].matcher, "hang")  # second hangs on the fill thread
+    reference = E.make_engine("xgrammar", VOCAB)
+    start = torch.zeros((1, reference.width), dtype=torch.int32)
+    reference.matcher(reference.compile(constraint)).fill_next_token_bitmask(start, 0)
+    old = runtime.buffer
+    try:
+        mask = runtime.step(batch)
+        assert runtime.buffer is not old and mask.data_ptr() == runtime.buffer.data_ptr()
+        assert _allowed(mask[1]) == [EOS]  # the failed request's row: stop only
+        assert all(torch.equal(mask[row], start[0]) for row in (0, 2, 3))
+        one = VOCAB.encode("1")[0]
+        result = runtime.accept_rows(batch, [one, EOS, one, one])
+        assert list(result.failed) == ["hung"] and isinstance(result.failed["hung"], S.GrammarFillError)
+        assert "'hung'" in str(result.failed["hung"]) and "within 0.3 s" in str(result.failed["hung"])
+        live = runtime.buffer.clone()
+        HANG.set()  # the straggler wakes and writes its row into the abandoned buffer, not the live one
+        time.sleep(0.3)
+        assert torch.equal(runtime.buffer, live)
+        mask = runtime.step(["slow", "c", "d"])
+        after = reference.matcher(reference.compile(constraint))
+        after.accept_token(one)
+        after.fill_next_token_bitmask(start, 0)
+        assert all(torch.equal(mask[row], start[0]) for row in range(3))
+        assert runtime.accept_rows(["slow", "c", "d"], [one] * 3).failed == {}
+    finally:
+        HANG.set()
+        runtime.close()
+        HANG.clear()
+
+
+def _allowed(row) -> list[int]:
+    return unpack_bitmask(row, VOCAB.vocab_size).nonzero().flatten().tolist()

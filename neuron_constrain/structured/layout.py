@@ -36,6 +36,7 @@ class RequestState:
     error: RequestFailedError | None = None  # why it failed: set once, never replaced
     reported: bool = False  # its failure was returned by an accept_rows() already
     unenforced: tuple = ()  # keywords.Unenforced the engine accepted but does not enforce (opt-in)
+    forced_seconds: float = 0.0  # host time finding its jump-forward runs
 
     @property
     def pending(self) -> bool:
@@ -70,21 +71,31 @@ _NONES = itertools.repeat(None)
 
 
 def lay_out(batch: Sequence[Hashable], states: Mapping[Hashable, RequestState],
-            drafts: Mapping[Hashable, Sequence[int]] | None, *, max_rows: int, version: int) -> Layout:
-    """The layout of ``batch`` (request ``i`` owns row ``i`` when there are no drafts)."""
+            drafts: Mapping[Hashable, Sequence[int]] | None, *, max_rows: int, version: int,
+            rows_per_request: int | None = None) -> Layout:
+    """The layout of ``batch`` (request ``i`` owns row ``i`` when there are no drafts).
+
+    ``rows_per_request``: every request owns exactly that many rows (a verify step of fixed
+    shape ``[B, k + 1]``); rows past a request's drafts are padding (-1, never read)."""
     key = tuple(batch)
     if len(set(key)) != len(key):
         raise BatchLayoutError(f"the batch {list(batch)} names a request twice; each request owns one slot")
-    if not drafts:
+    if not drafts and not rows_per_request:
         return _one_row_each(key, states, max_rows, version)
+    drafts = drafts or {}
     layout = Layout(version, key, 0, [], [], [], [])
     row = 0
     for position, request_id in enumerate(key):
         state = _state(states, request_id)
         draft = drafts.get(request_id) or ()
-        end = row + 1 + len(draft)
+        end = row + (rows_per_request or 1 + len(draft))
+        if 1 + len(draft) > (rows_per_request or 1 + len(draft)):
+            raise BatchLayoutError(
+                f"request {request_id!r} has {len(draft)} drafts but each request owns {rows_per_request} rows; "
+                f"pass at most {rows_per_request - 1} drafts a request (or a larger verify bucket)")
         if end > max_rows:
-            raise _too_many_rows(key, drafts, max_rows)
+            raise _too_many_rows(key, drafts, max_rows, rows_per_request)
+        padding = range(row + 1 + len(draft), end)
         if state.constraint is None:  # unconstrained (finished or not): -1
             layout.free_rows.extend(range(row, end))
             layout.others.append(position)
@@ -93,11 +104,13 @@ def lay_out(batch: Sequence[Hashable], states: Mapping[Hashable, RequestState],
             layout.others.append(position)
         elif draft:
             layout.drafts.append((position, row, state, draft))
+            layout.free_rows.extend(padding)
         else:
             layout.matchers.append(state.matcher)
             layout.fill_rows.append(row)
             layout.positions.append(position)
             layout.requests.append(state)
+            layout.free_rows.extend(padding)
         row = end
     layout.rows = row
     return layout
@@ -144,8 +157,9 @@ def _state(states: Mapping[Hashable, RequestState], request_id: Hashable) -> Req
     return state
 
 
-def _too_many_rows(batch: Sequence[Hashable], drafts, max_rows: int) -> BatchLayoutError:
+def _too_many_rows(batch: Sequence[Hashable], drafts, max_rows: int, rows_per_request: int | None = None) -> BatchLayoutError:
     total = len(batch) + sum(len(drafts.get(r, ())) for r in batch) if drafts else len(batch)
+    total = len(batch) * rows_per_request if rows_per_request else total
     return BatchLayoutError(
         f"this batch needs {total} mask rows ({len(batch)} requests + draft tokens) but the runtime "
         f"was built with max_rows={max_rows}; build it with max_rows>={total} (the compiled "

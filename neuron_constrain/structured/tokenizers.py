@@ -43,6 +43,21 @@ def never_text(piece: bytes) -> bool:
     return piece == b"" or CONTROL_MARK in piece
 
 
+_ANCHOR = "\n"
+
+
+def encode_continuation(encode: Callable[[str], list[int]], text: str | bytes) -> list[int]:
+    """Tokens of ``text`` as it continues a sequence (what a grammar forces, tokenized
+    canonically). A sentencepiece encoder adds a dummy-prefix space at the start of an
+    encode, so the text is encoded after an anchor (``"\\n"``) whose own tokens are dropped."""
+    text = text if isinstance(text, str) else text.decode("utf-8", "replace")
+    anchor = list(encode(_ANCHOR))
+    ids = list(encode(_ANCHOR + text))
+    if ids[: len(anchor)] == anchor:
+        return ids[len(anchor):]
+    return list(encode(text))  # the anchor merged with the text: no better split is known
+
+
 class TokenizerInfoError(ValueError):
     """A grammar-engine tokenizer info disagrees with its tokenizer or model."""
 

@@ -80,6 +80,9 @@ class AutoEngine(GrammarEngine):
                 failures += [(indices[k], error) for k, error in found]
         return sorted(failures, key=lambda failure: failure[0])
 
+    def forced_tokens(self, matcher) -> list[int]:
+        return (self.llguidance if isinstance(matcher, LLGuidanceMatcher) else self.xgrammar).forced_tokens(matcher)
+
     def close(self) -> None:
         self.xgrammar.close()
         if self._llguidance is not None:

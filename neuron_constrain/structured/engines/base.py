@@ -22,6 +22,9 @@ What an engine promises (``tests/test_engines.py`` runs one contract test agains
 * **Accept.** ``accept_token(t) -> bool``; ``False`` leaves the state unchanged.
   ``is_terminated()`` is true once a stop token was accepted; ``rollback(n)`` undoes the
   last ``n`` accepted tokens, a stop token included.
+* **Forced text.** ``forced_tokens(matcher)``: the canonical tokens of the text the grammar
+  forces from here (the engine's jump-forward string / fast-forward tokens), each accepted
+  in turn; the state is left as it was.
 * **Batch calls.** ``batch_fill`` fills every row it can and returns the rows that failed
   as ``(index into matchers, error)``; one matcher's failure never leaves another's row
   unfilled. ``batch_accept`` is ``accept_token`` per matcher.
@@ -123,6 +126,12 @@ class GrammarEngine(abc.ABC):
 
     def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
         return [matcher.accept_token(token) for matcher, token in zip(matchers, tokens)]
+
+    @abc.abstractmethod
+    def forced_tokens(self, matcher: GrammarMatcher) -> list[int]:
+        """The text the grammar forces next, tokenized canonically (jump-forward's ``canonical``
+        mode), without its last token (which may merge with what follows); every token is one
+        ``accept_token`` takes. The matcher's state is unchanged."""
 
     def close(self) -> None:
         """Stop the engine's fill threads, if it has any."""

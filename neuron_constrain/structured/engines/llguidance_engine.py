@@ -119,6 +119,11 @@ class LLGuidanceEngine(GrammarEngine):
             matcher.agree(buffer, row)
         return []
 
+    def forced_tokens(self, matcher: "LLGuidanceMatcher") -> list[int]:
+        if matcher.is_terminated():
+            return []
+        return list(matcher.inner.compute_ff_tokens())  # llguidance leaves out a last token that may merge
+
 
 def _json_options(constraint: Constraint) -> dict:
     """llguidance's JSON options for the constraint's whitespace (as xgrammar's, constraints.py)."""

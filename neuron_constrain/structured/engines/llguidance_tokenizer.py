@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import weakref
 
+from neuron_constrain.structured.tokenizers import encode_continuation
+
 
 def import_llguidance():
     """The ``llguidance`` module (with its torch helpers), or an ImportError naming the install."""
@@ -23,7 +25,6 @@ def import_llguidance():
 
 
 _LLG_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_ANCHOR = "\n"
 
 
 class _Pieces:
@@ -57,16 +58,9 @@ class _Pieces:
             )
 
     def __call__(self, text):
-        """Tokens of ``text`` as it continues a sequence. llguidance forces the canonical
-        tokens of the text a grammar fixes; a sentencepiece encoder adds a dummy-prefix
-        space at the start of an encode, so the text is encoded after an anchor
-        (``"\n"``) whose own tokens are then dropped."""
-        text = text if isinstance(text, str) else text.decode("utf-8", "replace")
-        anchor = list(self._encode(_ANCHOR))
-        ids = list(self._encode(_ANCHOR + text))
-        if ids[: len(anchor)] == anchor:
-            return ids[len(anchor):]
-        return list(self._encode(text))  # the anchor merged with the text: no better split is known
+        """Tokens of ``text`` as it continues a sequence: llguidance forces the canonical tokens
+        of the text a grammar fixes."""
+        return encode_continuation(self._encode, text)
 
 
 def llguidance_tokenizer(tokenizer):
