@@ -23,9 +23,9 @@ ALL_ALLOWED_ENV = "NEURON_CONSTRAIN_VLLM_ALL_ALLOWED_MASK"
 METRICS_ENV = "NEURON_CONSTRAIN_VLLM_METRICS"
 
 # Fixed per-row widths of the head program's inputs (requests beyond them get HTTP 400).
-MAX_STOP_TOKENS = 16   # min_tokens: stop ids (EOS included) masked while a row must still generate
-MAX_BIAS_TOKENS = 32   # logit_bias entries per request
-MAX_TOP_K = 256        # sampling candidates (top_k <= this; top_p acts within them)
+MAX_STOP_TOKEN_IDS = 12  # min_tokens: a request's own stop_token_ids; the program's width adds the model's EOS ids
+MAX_BIAS_TOKENS = 32     # logit_bias entries per request
+MAX_TOP_K = 256          # sampling candidates (top_k <= this; top_p acts within them)
 
 
 def server_args() -> list[str]:

@@ -1,17 +1,28 @@
 """The sampling head every token of the plugin comes from, and its per-bucket programs.
 
 ``SamplingHead`` is a plain ``nn.Module`` that starts where vLLM's ``compute_logits``
-would: it takes the hidden rows vLLM selected for sampling and runs
+would: it takes the hidden rows vLLM selected for sampling (one per request, or with
+speculative decoding one per draft position plus the bonus position) and runs
 
     lm_head (F.linear with the model's weight) -> greedy argmax
-                                               -> sort, top-k, top-p, softmax, exponential race
+                                               -> whole-vocabulary exponential race
+                                               -> top-k, top-p, softmax, exponential race
+                                               -> verify the draft tokens (greedy / rejection sampling)
 
 ``neuron_constrain.transform`` then rewrites its exported program: the logit-mask pass
-adds ``logit_mask`` (packed int32, ``-1`` rows = all allowed) in front of both sampling
-sites, the logits-processors pass adds min_tokens, logit_bias and penalties after the
-mask and a per-row temperature + min_p in front of the sort. One program per batch
-bucket (static shapes, as on an accelerator); every input is fed every step, so any
-mix of constrained / unconstrained rows and sampling parameters runs the same program.
+adds ``logit_mask`` (packed int32, ``-1`` rows = all allowed) in front of every sampling
+site, so each draft position is masked with its own grammar row; the logits-processors
+pass adds min_tokens, logit_bias and penalties after the mask and a per-row temperature
++ min_p in front of the sampling sites. One program per batch bucket (static shapes, as
+on an accelerator); every input is fed every step, so any mix of constrained /
+unconstrained rows, sampling parameters and draft lengths runs the same program.
+
+``LogprobHead`` is the logprobs program: the same lm_head, the logit-mask pass only (no
+processors), then ``log_softmax``, the top ``k`` and the emitted token's logprob and rank.
+These are vLLM's default ``raw_logprobs``: vLLM applies the grammar bitmask to the
+logits in place before its sampler and computes logprobs before any processor, so they
+are the masked, unprocessed logits' logprobs. It runs only on steps where a request
+asked for logprobs.
 """
 from __future__ import annotations
 
@@ -23,16 +34,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SamplingHead", "HeadPrograms", "HeadInputs", "PROCESSORS", "buckets_for"]
+__all__ = ["SamplingHead", "LogprobHead", "HeadPrograms", "HeadInputs", "PROCESSORS", "buckets_for", "NO_TOKEN"]
 
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
 TOP_P_OFF = 2.0  # top_p >= 1 means "off": a threshold the cumulative mass never reaches
+NO_TOKEN = -1    # a row whose token is not emitted (a draft position after a rejection); vLLM's placeholder
 
 
 class SamplingHead(torch.nn.Module):
-    """Hidden rows -> next token.
+    """Hidden rows -> the token each row emits (``NO_TOKEN`` where none).
 
     Greedy rows take the argmax. Sampled rows race ``probs / noise`` (the exponential
     race: the same draw as ``torch.multinomial``, deterministic given ``noise``): over
@@ -47,6 +59,20 @@ class SamplingHead(torch.nn.Module):
     same distribution) — then the caller draws 256 numbers for it, not a vocabulary's
     worth. The plugin sets ``rank_noise`` for unseeded rows; a seeded row draws the whole
     row from its own generator in token order, as vLLM's sampler does.
+
+    Speculative decoding (vLLM's layout: request ``i`` owns ``1 + d_i`` consecutive rows,
+    one per draft token and the bonus row last). ``draft[r]`` is the draft token row
+    ``r`` verifies (``-1`` on a bonus row and without speculation), ``first_row[r]`` the
+    first row of its request. A row accepts its draft when greedy and the draft is the
+    masked argmax, or when sampled with ``uniform[r] < p(draft)`` (vLLM's rule for
+    draft-free proposers such as ngram: the draft's probability is 1); a rejected row
+    emits the recovered token, a race over ``p`` with the draft removed (for a greedy row
+    that is the argmax itself): among the cut candidates the program removes it; for a
+    whole-vocabulary row the caller sets the draft's ``noise`` entry to ``+inf`` (a race
+    term of 0), which costs the program no pass over the vocabulary. A row emits its token only when every earlier row of its
+    request accepted its draft, so a request emits its accepted drafts, then the token
+    at the first rejection or the bonus token, then ``NO_TOKEN``. Without drafts every
+    row emits.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_top_k: int = 256):
@@ -55,38 +81,73 @@ class SamplingHead(torch.nn.Module):
         self.register_buffer("bias", bias, persistent=False) if bias is not None else setattr(self, "bias", None)
         self.max_top_k = min(max_top_k, weight.shape[0])
 
-    def forward(self, hidden, noise, greedy, full, top_k, top_p, rank_noise):
+    def forward(self, hidden, noise, greedy, full, top_k, top_p, rank_noise, draft, first_row, uniform):
         logits = F.linear(hidden, self.weight, self.bias).float()
         greedy_token = logits.argmax(-1)
-        # whole-vocabulary race
-        full_token = (logits.softmax(-1) / noise).argmax(-1)
+        has_draft = draft >= 0
+        at_draft = draft.clamp(min=0).unsqueeze(-1)
+        # whole-vocabulary race (the caller's noise is +inf at a sampled row's draft: never the recovered token)
+        probs = logits.softmax(-1)
+        full_draft_p = probs.gather(-1, at_draft).squeeze(-1)
+        full_token = (probs / noise).argmax(-1)
         # top-k / top-p race among the max_top_k best candidates (sorted, descending)
         values, ids = logits.topk(self.max_top_k, dim=-1)
         rank = torch.arange(self.max_top_k, device=values.device)
         values = values.masked_fill(rank >= top_k.unsqueeze(-1), float("-inf"))
-        probs = values.softmax(-1)
-        before = probs.cumsum(-1) - probs
+        cut_probs = values.softmax(-1)
+        before = cut_probs.cumsum(-1) - cut_probs
         kept = values.masked_fill(before >= top_p.unsqueeze(-1), float("-inf")).softmax(-1)
+        is_draft = ids == draft.unsqueeze(-1)  # a draft of -1 matches no candidate
+        cut_draft_p = (kept * is_draft).sum(-1)
         # a candidate's noise: by rank (the row's first max_top_k entries) or by token id
         cand_noise = torch.where(rank_noise.unsqueeze(-1), noise[:, : self.max_top_k], noise.gather(-1, ids))
-        choice = (kept / cand_noise).argmax(-1, keepdim=True)
+        choice = (kept.masked_fill(is_draft, 0.0) / cand_noise).argmax(-1, keepdim=True)
         cut_token = ids.gather(-1, choice).squeeze(-1)
-        return torch.where(greedy, greedy_token, torch.where(full, full_token, cut_token))
+        # verification: greedy rows accept a draft equal to the argmax; sampled rows accept with p(draft)
+        draft_p = torch.where(full, full_draft_p, cut_draft_p)
+        accepted = has_draft & torch.where(greedy, greedy_token == draft, uniform < draft_p)
+        sampled_token = torch.where(accepted, draft, torch.where(full, full_token, cut_token))
+        token = torch.where(greedy, greedy_token, sampled_token)
+        # a row emits when no earlier row of its request rejected its draft
+        rejected = (~accepted).to(torch.int64)
+        rejected_before = rejected.cumsum(0) - rejected
+        emitted = rejected_before == rejected_before.gather(0, first_row)
+        return torch.where(emitted, token, NO_TOKEN)
 
 
-def buckets_for(max_num_seqs: int) -> list[int]:
-    """Powers of two up to ``max_num_seqs`` (and it): the batch sizes a program is built for."""
+class LogprobHead(torch.nn.Module):
+    """Hidden rows and the token each row emitted -> its logprob, the ``k`` best and its rank.
+
+    Rank as vLLM counts it: the number of tokens whose logprob is >= the token's.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, k: int = 20):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False) if bias is not None else setattr(self, "bias", None)
+        self.k = min(k, weight.shape[0])
+
+    def forward(self, hidden, token):
+        logprobs = F.linear(hidden, self.weight, self.bias).float().log_softmax(-1)
+        top_logprobs, top_ids = logprobs.topk(self.k, dim=-1)
+        token_logprob = logprobs.gather(-1, token.unsqueeze(-1))
+        rank = (logprobs >= token_logprob).sum(-1)
+        return token_logprob.squeeze(-1), top_ids, top_logprobs, rank
+
+
+def buckets_for(max_rows: int) -> list[int]:
+    """Powers of two up to ``max_rows`` (and it): the row counts a program is built for."""
     out, b = [], 1
-    while b < max_num_seqs:
+    while b < max_rows:
         out.append(b)
         b *= 2
-    out.append(max_num_seqs)
+    out.append(max_rows)
     return out
 
 
 @dataclasses.dataclass
 class HeadInputs:
-    """Preallocated inputs of one bucket's program (filled in place every step)."""
+    """Preallocated inputs of one bucket's programs (filled in place every step)."""
 
     hidden: torch.Tensor
     noise: torch.Tensor
@@ -95,41 +156,53 @@ class HeadInputs:
     top_k: torch.Tensor
     top_p: torch.Tensor
     rank_noise: torch.Tensor
+    draft: torch.Tensor
+    first_row: torch.Tensor
+    uniform: torch.Tensor
     processors: dict[str, torch.Tensor]
     logit_mask: torch.Tensor
 
     def call_args(self):
-        return (self.hidden, self.noise, self.greedy, self.full, self.top_k, self.top_p, self.rank_noise), {
-            "logit_mask": self.logit_mask, **self.processors}
+        return (self.hidden, self.noise, self.greedy, self.full, self.top_k, self.top_p, self.rank_noise,
+                self.draft, self.first_row, self.uniform), {"logit_mask": self.logit_mask, **self.processors}
 
 
 class HeadPrograms:
-    """One rewritten program per bucket, built once; ``compilations`` counts builds."""
+    """One rewritten sampling program per bucket (and one logprobs program, when ``logprobs_k``),
+    built once; ``compilations`` counts builds."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, vocab_size: int, buckets: list[int],
                  eos_token_id: int, max_stop_tokens: int, max_bias_tokens: int, max_penalty_tokens: int,
-                 max_top_k: int = 256):
+                 max_top_k: int = 256, logprobs_k: int = 0):
         if weight.dim() != 2 or weight.shape[0] < vocab_size:
             raise ValueError(f"lm_head weight {tuple(weight.shape)} does not cover vocab_size={vocab_size}")
         if weight.shape[0] != vocab_size:
             weight = weight[:vocab_size]
             bias = None if bias is None else bias[:vocab_size]
-        self.head = SamplingHead(weight.detach(), None if bias is None else bias.detach(), max_top_k=max_top_k)
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        self.head = SamplingHead(weight, bias, max_top_k=max_top_k)
+        self.logprob_head = LogprobHead(weight, bias, k=logprobs_k) if logprobs_k else None
         self.max_top_k = self.head.max_top_k
+        self.logprobs_k = self.logprob_head.k if self.logprob_head is not None else 0
         self.vocab_size = vocab_size
         self.hidden_size = weight.shape[1]
         self.dtype = weight.dtype
         self.buckets = sorted(buckets)
+        self.eos_token_id = eos_token_id
         self.options = dict(
             logit_mask="packed", vocab_size=vocab_size, processors=PROCESSORS, empty_row=eos_token_id,
             max_stop_tokens=max_stop_tokens, max_bias_tokens=max_bias_tokens, max_penalty_tokens=max_penalty_tokens,
         )
         self.sizes = {"S": max_stop_tokens, "K": max_bias_tokens, "L": max_penalty_tokens}
         self.programs: dict[int, object] = {}
+        self.logprob_programs: dict[int, object] = {}
         self.inputs: dict[int, HeadInputs] = {}
+        self.logprob_tokens: dict[int, torch.Tensor] = {}
         self.compilations = 0
         self.build_seconds = 0.0
         self.calls = {b: 0 for b in self.buckets}
+        self.logprob_calls = {b: 0 for b in self.buckets}
 
     def bucket(self, rows: int) -> int:
         for b in self.buckets:
@@ -146,6 +219,9 @@ class HeadPrograms:
             torch.full((b,), self.max_top_k, dtype=torch.int64),
             torch.full((b,), TOP_P_OFF),
             torch.ones(b, dtype=torch.bool),
+            torch.full((b,), NO_TOKEN, dtype=torch.int64),
+            torch.arange(b, dtype=torch.int64),
+            torch.zeros(b),
         )
 
     def build(self, b: int):
@@ -155,6 +231,13 @@ class HeadPrograms:
         program = nc.transform(self.head, self._example(b), **self.options)
         self.programs[b] = program
         self.compilations += 1
+        if self.logprob_head is not None:
+            self.logprob_programs[b] = nc.transform(
+                self.logprob_head, (self._example(b)[0], torch.zeros(b, dtype=torch.int64)),
+                logit_mask="packed", vocab_size=self.vocab_size, empty_row=self.eos_token_id,
+            )
+            self.compilations += 1
+            self.logprob_tokens[b] = torch.zeros(b, dtype=torch.int64)
         seconds = time.perf_counter() - start
         self.build_seconds += seconds
         processors = {}
@@ -166,7 +249,7 @@ class HeadPrograms:
             *self._example(b), processors=processors,
             logit_mask=torch.full((b, math.ceil(self.vocab_size / 32)), -1, dtype=torch.int32),
         )
-        log.info("neuron_constrain: built the head program for bucket %d in %.2fs (compilations=%d)",
+        log.info("neuron_constrain: built the head program(s) for bucket %d in %.2fs (compilations=%d)",
                  b, seconds, self.compilations)
         return program
 
@@ -174,15 +257,21 @@ class HeadPrograms:
         for b in self.buckets:
             if b not in self.programs:
                 self.build(b)
-            args, kwargs = self.inputs[b].call_args()
             with torch.inference_mode():
-                self.programs[b](*args, **kwargs)
-
-    def program(self, b: int):
-        program = self.programs.get(b)
-        return program if program is not None else self.build(b)
+                self.run(b)
+                if self.logprob_head is not None:
+                    self.run_logprobs(b)
+        self.calls = {b: 0 for b in self.buckets}
+        self.logprob_calls = {b: 0 for b in self.buckets}
 
     def run(self, b: int) -> torch.Tensor:
+        """The bucket's sampling program on its inputs: the token per row (``NO_TOKEN`` where none)."""
         args, kwargs = self.inputs[b].call_args()
         self.calls[b] += 1
-        return self.program(b)(*args, **kwargs)
+        return self.programs[b](*args, **kwargs)
+
+    def run_logprobs(self, b: int):
+        """The bucket's logprobs program for the tokens in ``logprob_tokens[b]`` (same hidden rows and mask)."""
+        inputs = self.inputs[b]
+        self.logprob_calls[b] += 1
+        return self.logprob_programs[b](inputs.hidden, self.logprob_tokens[b], logit_mask=inputs.logit_mask)

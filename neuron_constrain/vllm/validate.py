@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron_constrain.vllm import MAX_BIAS_TOKENS, MAX_STOP_TOKENS, MAX_TOP_K, check_vllm_version
+from neuron_constrain.vllm import MAX_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_K, check_vllm_version
 
 check_vllm_version()
 
@@ -26,13 +26,21 @@ def _refuse(parameter: str, value, why: str):
 
 
 def check_request(params) -> None:
-    """Raise ``VLLMValidationError`` for sampling parameters the head cannot do."""
-    if params.logprobs is not None:
-        _refuse("logprobs", params.logprobs, "it returns no logprobs (the head program returns tokens only)")
+    """Raise ``VLLMValidationError`` for sampling parameters the head cannot do.
+
+    Runs before vLLM adds the model's EOS ids to the request's stop ids, so the
+    stop-id limit is on the request's own ``stop_token_ids``; the worker sizes the
+    program's stop-id input as this limit plus the model's EOS ids, so none is dropped.
+    """
+    if params.logprobs is not None and params.logprobs < 0:
+        _refuse("logprobs", params.logprobs, "the logprobs program returns the top logprobs, not the whole "
+                "vocabulary's; ask for at most 20 (the OpenAI limit)")
     if params.prompt_logprobs is not None:
-        _refuse("prompt_logprobs", params.prompt_logprobs, "it returns no logprobs")
+        _refuse("prompt_logprobs", params.prompt_logprobs, "the head scores the sampled rows only, not the prompt's "
+                "tokens (vLLM computes those outside the sampler); drop prompt_logprobs")
     if getattr(params, "logprob_token_ids", None):
-        _refuse("logprob_token_ids", params.logprob_token_ids, "it returns no logprobs")
+        _refuse("logprob_token_ids", params.logprob_token_ids, "the logprobs program returns the top logprobs only "
+                "(use logprobs / top_logprobs)")
     if params.allowed_token_ids:
         _refuse("allowed_token_ids", "[...]", "not fed to the head (use a choice or regex constraint)")
     if params.bad_words:
@@ -44,9 +52,10 @@ def check_request(params) -> None:
                 f"{MAX_TOP_K} or -1")
     if params.logit_bias and len(params.logit_bias) > MAX_BIAS_TOKENS:
         _refuse("logit_bias", f"{len(params.logit_bias)} entries", f"at most {MAX_BIAS_TOKENS} per request")
-    if params.min_tokens and len(params.stop_token_ids or ()) > MAX_STOP_TOKENS - 4:
+    if params.min_tokens and len(params.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         _refuse("stop_token_ids", f"{len(params.stop_token_ids)} ids",
-                f"with min_tokens at most {MAX_STOP_TOKENS - 4} stop token ids (EOS ids are added)")
+                f"with min_tokens at most {MAX_STOP_TOKEN_IDS} stop_token_ids per request (the model's EOS ids "
+                "come on top); send fewer stop ids or drop min_tokens")
 
 
 class RequestValidator(LogitsProcessor):

@@ -8,11 +8,27 @@ Per step: vLLM's forward runs as usual; where ``execute_model`` calls the model'
 ``compute_logits`` the runner keeps the hidden rows instead (so the lm_head runs once,
 inside the head program). ``sample_tokens(grammar_output)`` receives the scheduler's
 compact grammar bitmask: the runner reorders it into batch rows (-1 rows for requests
-without a constraint, as ``vllm/v1/structured_output/utils.py`` does), fills the
+without a constraint, and with speculative decoding one row per draft position at
+vLLM's speculative offsets, as ``vllm/v1/structured_output/utils.py`` does), fills the
 program's inputs from the persistent batch (temperature, top-k/p, penalties,
-min_tokens, logit_bias, min_p, per-request noise from seeded generators) and calls the
-bucket's program. vLLM's host-side ``apply_grammar_bitmask`` and its ``Sampler`` are
-not called for any token.
+min_tokens, logit_bias, min_p, per-request noise from seeded generators, the draft
+tokens to verify) and calls the bucket's program, which returns the tokens each row
+emits (drafts verified in the program). When a request in the batch asked for
+logprobs, the bucket's logprobs program runs on the same rows. vLLM's host-side
+``apply_grammar_bitmask``, its ``Sampler`` and its ``RejectionSampler`` are not called
+for any token.
+
+Speculative decoding (``--speculative-config`` with ``method: ngram``): request ``i``
+owns ``1 + d_i`` rows (its ``d_i`` drafts, then the bonus position). Each row gets its
+own grammar row, its own position-dependent processor inputs (min_tokens counts the
+drafts before it; penalties see the output plus the drafts before it, as vLLM's
+rejection sampler does) and its own noise. The program's output is laid out as vLLM's
+rejection sampler's: ``[requests, max drafts + 1]`` with -1 where nothing is emitted.
+
+Tensor parallelism: every rank holds the full hidden rows (vLLM all-reduces them), so
+each rank gathers the vocab-parallel lm_head shards once at load and runs the same
+head program on the same inputs: identical tokens on every rank, no collective per
+step (see the README, "Serving with vLLM", for the measured alternative).
 
 Host work per step is kept small: inputs are written through numpy views of the
 program's tensors, per-request constants (min_tokens stop ids, logit_bias arrays, min_p,
@@ -23,6 +39,7 @@ seeded row), and the counters file is written by a thread, not by the step.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,21 +50,22 @@ import numpy as np
 import torch
 
 from neuron_constrain.vllm import (
-    ALL_ALLOWED_ENV, MAX_BIAS_TOKENS, MAX_STOP_TOKENS, MAX_TOP_K, METRICS_ENV, VALIDATOR, check_vllm_version,
+    ALL_ALLOWED_ENV, MAX_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_K, METRICS_ENV, VALIDATOR, check_vllm_version,
 )
 
 check_vllm_version()
 
-from vllm.v1.outputs import SamplerOutput  # noqa: E402
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
-from neuron_constrain.vllm.head import TOP_P_OFF, HeadPrograms, buckets_for  # noqa: E402
+from neuron_constrain.vllm.head import NO_TOKEN, TOP_P_OFF, HeadPrograms, buckets_for  # noqa: E402
 
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
 _SAMPLING_EPS = 1e-5  # vLLM's: temperature below it is greedy
 _METRICS_PERIOD_S = 0.05  # the counters file trails the last step by about this much
+MAX_LOGPROBS_PROGRAM = 1024  # --max-logprobs above this (or -1, the whole vocabulary) is refused at start
 
 
 class ConfigError(ValueError):
@@ -56,16 +74,24 @@ class ConfigError(ValueError):
 
 def check_config(vllm_config) -> None:
     """Refuse, at start, what the head cannot serve (raised before any request)."""
-    if vllm_config.speculative_config is not None:
-        raise ConfigError(
-            "neuron_constrain's vLLM plugin does not support speculative decoding (draft rows would need the "
-            "bitmask's speculative offsets and a rejection sampler in the head); remove --speculative-config"
-        )
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        if spec.method != "ngram":
+            raise ConfigError(
+                f"neuron_constrain's vLLM plugin verifies drafts from draft-free proposers (method 'ngram'), whose "
+                f"draft probability is 1; --speculative-config method {spec.method!r} proposes with draft "
+                "probabilities the head's rejection rule does not read: use method 'ngram'"
+            )
+        if getattr(spec, "rejection_sample_method", "standard") != "standard":
+            raise ConfigError(
+                f"--speculative-config rejection_sample_method {spec.rejection_sample_method!r}: the plugin's head "
+                "verifies drafts by vLLM's standard rule only; remove the option"
+            )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ConfigError(
-            "neuron_constrain's vLLM plugin runs an unsharded lm_head: use --tensor-parallel-size 1 and "
-            f"--pipeline-parallel-size 1 (got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            "neuron_constrain's vLLM plugin samples on every tensor-parallel rank of one stage: use "
+            f"--pipeline-parallel-size 1 (got {parallel.pipeline_parallel_size})"
         )
     if vllm_config.use_v2_model_runner:
         raise ConfigError("neuron_constrain's vLLM plugin subclasses the V1 CPU model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
@@ -78,7 +104,16 @@ def check_config(vllm_config) -> None:
             "would fail inside the worker and stop the engine for every request)"
         )
     if model.logprobs_mode not in ("raw_logprobs",):
-        raise ConfigError(f"--logprobs-mode {model.logprobs_mode}: the plugin returns no logprobs; leave the default")
+        raise ConfigError(
+            f"--logprobs-mode {model.logprobs_mode}: the plugin computes vLLM's default raw_logprobs (the logprobs "
+            "of the grammar-masked logits, before any processor) in its logprobs program; leave the default"
+        )
+    max_logprobs = getattr(model, "max_logprobs", 20)
+    if max_logprobs < 0 or max_logprobs > MAX_LOGPROBS_PROGRAM:
+        raise ConfigError(
+            f"--max-logprobs {max_logprobs}: the plugin's logprobs program returns a fixed number of top "
+            f"logprobs per row; use 0..{MAX_LOGPROBS_PROGRAM} (the OpenAI API allows 20)"
+        )
 
 
 def find_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,23 +137,176 @@ def find_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias if isinstance(bias, torch.Tensor) else None
 
 
+def gather_vocab_shards(weight: torch.Tensor, bias: torch.Tensor | None, tp_size: int):
+    """The full lm_head from this rank's vocab-parallel shard (all ranks' shards concatenated, once at load)."""
+    if tp_size == 1:
+        return weight, bias
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    weight = tensor_model_parallel_all_gather(weight.detach().contiguous(), dim=0)
+    if bias is not None:
+        bias = tensor_model_parallel_all_gather(bias.detach().contiguous(), dim=0)
+    return weight, bias
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no distributed group (a runner built outside a worker)
+        return 0
+
+
+def time_all_gathers(rows: int, vocab: int, candidates: int, repeats: int = 30) -> dict[str, float]:
+    """Milliseconds per vLLM tensor-parallel all-gather, measured once at start: of what a
+    vocab-parallel head would gather per step (each rank's ``candidates`` values and ids per
+    row) against the whole logits (each rank's ``vocab / tp`` columns). Reported in the
+    counters; the README's choice of strategy rests on them."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+    tp = get_tensor_model_parallel_world_size()
+    shapes = {"candidates": (rows, 2 * candidates), "logits": (rows, -(-vocab // tp))}
+    out = {}
+    for name, shape in shapes.items():
+        x = torch.zeros(shape)
+        tensor_model_parallel_all_gather(x, dim=-1)  # first call sets buffers up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            tensor_model_parallel_all_gather(x, dim=-1)
+        out[name] = 1e3 * (time.perf_counter() - start) / repeats
+    return out
+
+
+def model_eos_ids(model_config) -> set[int]:
+    """Every id vLLM's frontend may add to a request's stop ids for this model: the config's and the
+    generation config's ``eos_token_id`` (an int or a list) and the tokenizer's EOS."""
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple, set)):
+            ids.update(int(v) for v in value)
+
+    add(getattr(model_config.hf_config, "eos_token_id", None))
+    try:
+        add((model_config.try_get_generation_config() or {}).get("eos_token_id"))
+    except Exception as e:  # a model folder without a readable generation config
+        log.info("neuron_constrain: no generation config read (%s); EOS ids from the model config only", e)
+    if not getattr(model_config, "skip_tokenizer_init", False):
+        try:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            add(cached_tokenizer_from_config(model_config).eos_token_id)
+        except Exception as e:
+            log.info("neuron_constrain: tokenizer not loaded in the worker (%s); EOS ids from the configs", e)
+    return ids
+
+
+class CountersFile:
+    """The runner's counters as JSON at ``path``, rewritten (atomically) by a writer thread.
+
+    ``notify()`` is all a step does: the thread wakes, waits ``period`` seconds (so a
+    burst of steps costs one write) and writes ``snapshot()``. A failed write (the file's
+    folder gone, a value JSON cannot encode, a bug in ``snapshot``) is logged with its
+    type and the thread keeps serving later writes: the counters never take the engine down.
+    """
+
+    def __init__(self, path: str, snapshot, *, period: float = _METRICS_PERIOD_S):
+        self.path = path
+        self.snapshot = snapshot
+        self.period = period
+        self.failures = 0
+        self._event = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def write(self) -> None:
+        data = self.snapshot()
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.path)
+
+    def notify(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="nc-metrics", daemon=True)
+            self._thread.start()
+        self._event.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._event.wait()
+            time.sleep(self.period)
+            self._event.clear()
+            try:
+                self.write()
+            except Exception as e:  # noqa: BLE001 - logged; the next step's write tries again
+                self.failures += 1
+                log.warning("neuron_constrain: could not write the counters file %s (%s: %s)",
+                            self.path, type(e).__name__, e)
+
+
+class _Layout:
+    """Where each head row comes from, this step: request ``req[r]``, draft position ``pos[r]``.
+
+    Without drafts row ``r`` is request ``r``. With drafts request ``i`` owns rows
+    ``start[i] .. start[i] + num_draft[i]`` (vLLM's logits order); ``draft[r]`` is the
+    draft token row ``r`` verifies (-1 on a bonus row).
+    """
+
+    __slots__ = ("rows", "requests", "req", "pos", "start", "num_draft", "draft", "drafts_of")
+
+    def __init__(self, requests: int, spec_decode_metadata=None):
+        self.requests = requests
+        if spec_decode_metadata is None:
+            self.rows = requests
+            self.req = np.arange(requests)
+            self.pos = np.zeros(requests, dtype=np.int64)
+            self.start = self.req
+            self.num_draft = np.zeros(requests, dtype=np.int64)
+            self.draft = None
+            self.drafts_of = None
+            return
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        per_request = 1 + num_draft
+        self.start = np.concatenate([[0], np.cumsum(per_request)[:-1]])
+        self.rows = int(per_request.sum())
+        self.req = np.repeat(np.arange(requests), per_request)
+        self.pos = np.arange(self.rows) - self.start[self.req]
+        self.num_draft = num_draft
+        flat = spec_decode_metadata.draft_token_ids.cpu().numpy().astype(np.int64)
+        draft = np.full(self.rows, NO_TOKEN, dtype=np.int64)
+        is_draft = self.pos < num_draft[self.req]
+        # the flat draft index of row r (request i, position j < d_i) is r - i
+        draft[is_draft] = flat[np.flatnonzero(is_draft) - self.req[is_draft]]
+        self.draft = draft
+        cu = np.concatenate([[0], np.cumsum(num_draft)])
+        self.drafts_of = [flat[cu[i]:cu[i + 1]] for i in range(requests)]
+
+
 class NeuronConstrainModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device):
         check_config(vllm_config)
-        super().__init__(vllm_config, device)
+        with _no_custom_logits_processors_with_speculation(vllm_config):
+            super().__init__(vllm_config, device)
         self._nc_capture = False
         self._nc_grammar = None
         self._nc_all_allowed = os.environ.get(ALL_ALLOWED_ENV, "") == "1"
-        self._nc_metrics_path = os.environ.get(METRICS_ENV) or None
         self._nc_warm_compilations = None
-        # fill_seconds: host time filling the program's inputs; head_seconds: running the program
-        self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0,
-                          "fill_seconds": 0.0, "head_seconds": 0.0}
+        # fill_seconds: host time filling the program's inputs; head_seconds: running the sampling program;
+        # logprob_seconds: running the logprobs program; draft_rows / drafts_accepted: speculative rows verified
+        self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0, "draft_rows": 0,
+                          "drafts_accepted": 0, "logprob_steps": 0, "fill_seconds": 0.0, "head_seconds": 0.0,
+                          "logprob_seconds": 0.0}
         self._nc_consts: dict[str, _RequestConsts] = {}
         self._nc_views: dict[int, dict[str, np.ndarray]] = {}
         self._nc_dirty: dict[int, set[str]] = {}  # per bucket: sparse processor inputs not neutral now
-        self._nc_metrics_event = threading.Event()
-        self._nc_metrics_thread = None
+        path = os.environ.get(METRICS_ENV) or None
+        self._nc_rank = _tensor_parallel_rank()
+        if path and self._nc_rank:  # with tensor parallelism each rank writes its own file
+            path = f"{path}.rank{self._nc_rank}"
+        self._nc_counters = CountersFile(path, self._counters) if path else None
         if self._nc_all_allowed:
             log.warning("neuron_constrain: %s=1: feeding an ALL-ALLOWED mask (negative control; grammars are NOT "
                         "enforced)", ALL_ALLOWED_ENV)
@@ -127,17 +315,31 @@ class NeuronConstrainModelRunner(CPUModelRunner):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         weight, bias = find_lm_head(self.model)
+        tp_size = self.vllm_config.parallel_config.tensor_parallel_size
+        weight, bias = gather_vocab_shards(weight, bias, tp_size)
         vocab = self.model_config.get_vocab_size()
         eos = self._eos_token_id()
+        eos_ids = model_eos_ids(self.model_config) | {eos}
+        self._nc_stop_width = MAX_STOP_TOKEN_IDS + len(eos_ids)
+        spec = self.vllm_config.speculative_config
+        self._nc_num_spec = spec.num_speculative_tokens if spec is not None else 0
+        max_rows = self.scheduler_config.max_num_seqs * (1 + self._nc_num_spec)
         self.head = HeadPrograms(
-            weight, bias, vocab_size=vocab, buckets=buckets_for(self.scheduler_config.max_num_seqs),
-            eos_token_id=eos, max_stop_tokens=MAX_STOP_TOKENS, max_bias_tokens=MAX_BIAS_TOKENS,
+            weight, bias, vocab_size=vocab, buckets=buckets_for(max_rows),
+            eos_token_id=eos, max_stop_tokens=self._nc_stop_width, max_bias_tokens=MAX_BIAS_TOKENS,
             max_penalty_tokens=min(self.model_config.max_model_len, vocab), max_top_k=MAX_TOP_K,
+            logprobs_k=max(1, getattr(self.model_config, "max_logprobs", 20)),
         )
         self.head.warm_up()
         self._nc_warm_compilations = self.head.compilations
+        self._nc_all_gather_ms = None
+        if tp_size > 1:
+            self._nc_all_gather_ms = time_all_gathers(self.scheduler_config.max_num_seqs, vocab, MAX_TOP_K)
+            log.info("neuron_constrain: tensor-parallel all-gather per step would take %s ms (candidates / logits)",
+                     self._nc_all_gather_ms)
         log.info("neuron_constrain: head ready, buckets %s, %d program(s) built in %.1fs; every token is sampled "
-                 "by the rewritten head", self.head.buckets, self.head.compilations, self.head.build_seconds)
+                 "by the rewritten head (tp=%d, speculative tokens=%d, stop ids per row=%d)", self.head.buckets,
+                 self.head.compilations, self.head.build_seconds, tp_size, self._nc_num_spec, self._nc_stop_width)
         original = self.model.compute_logits
 
         def compute_logits(hidden_states, *args, **kwargs):
@@ -146,7 +348,8 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             return original(hidden_states, *args, **kwargs)
 
         self.model.compute_logits = compute_logits
-        self._write_metrics(force=True)
+        if self._nc_counters is not None:
+            self._nc_counters.write()
 
     def _eos_token_id(self) -> int:
         config = self.model_config.hf_config
@@ -174,30 +377,61 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             self._nc_grammar = None
 
     def _sample(self, logits, spec_decode_metadata):
-        # ``logits`` are the hidden rows compute_logits handed back (one per request).
-        assert spec_decode_metadata is None, "speculative decoding is refused at start"
+        # ``logits`` are the hidden rows compute_logits handed back (one per request, or per draft position).
         self.input_batch.update_async_output_token_ids()
         hidden = logits
-        rows = hidden.shape[0]
         start = time.perf_counter()
+        layout = _Layout(self.input_batch.num_reqs, spec_decode_metadata)
+        rows = layout.rows
+        assert hidden.shape[0] == rows, (hidden.shape, rows)
         bucket = self.head.bucket(rows)
         inputs = self.head.inputs[bucket]
         views = self._views(bucket)
         inputs.hidden[:rows].copy_(hidden)
         if rows < bucket:
             inputs.hidden[rows:].zero_()
-        self._fill_mask(views["logit_mask"], rows)
-        self._fill_sampling(inputs, views, rows)
+        self._fill_mask(views["logit_mask"], layout)
+        self._fill_sampling(inputs, views, layout)
         filled = time.perf_counter()
         with torch.inference_mode():
             tokens = self.head.run(bucket)[:rows]
+        ran = time.perf_counter()
         stats = self._nc_stats
         stats["fill_seconds"] += filled - start
-        stats["head_seconds"] += time.perf_counter() - filled
+        stats["head_seconds"] += ran - filled
         stats["steps"] += 1
         stats["rows"] += rows
-        self._write_metrics()
-        return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None)
+        logprobs = None
+        num_logprobs = self.input_batch.max_num_logprobs
+        if num_logprobs is not None:
+            logprobs = self._logprobs(bucket, tokens, num_logprobs)
+            stats["logprob_steps"] += 1
+            stats["logprob_seconds"] += time.perf_counter() - ran
+        if layout.draft is None:
+            sampled = tokens.to(torch.int32).unsqueeze(-1)
+        else:  # vLLM's rejection-sampler layout: [requests, max drafts + 1], -1 where nothing is emitted
+            width = int(layout.num_draft.max()) + 1
+            sampled = torch.full((layout.requests, width), NO_TOKEN, dtype=torch.int32)
+            sampled.numpy()[layout.req, layout.pos] = tokens.numpy()
+            is_draft = layout.draft >= 0
+            stats["draft_rows"] += int(is_draft.sum())
+            stats["drafts_accepted"] += int((tokens.numpy()[is_draft] == layout.draft[is_draft]).sum())
+            if logprobs is not None:
+                logprobs = _spread(logprobs, layout, width)
+        self._notify_counters()
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+
+    def _logprobs(self, bucket: int, tokens: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+        """vLLM's LogprobsTensors for the emitted tokens: column 0 the token, then the ``num_logprobs`` best."""
+        rows = tokens.shape[0]
+        target = self.head.logprob_tokens[bucket]
+        target[:rows] = tokens.clamp(min=0)  # a row that emits nothing: token 0, dropped by vLLM (as its own)
+        target[rows:] = 0
+        with torch.inference_mode():
+            token_logprob, top_ids, top_logprobs, rank = self.head.run_logprobs(bucket)
+        ids = torch.cat([target[:rows, None], top_ids[:rows, :num_logprobs]], dim=1).to(torch.int32)
+        values = torch.cat([token_logprob[:rows, None], top_logprobs[:rows, :num_logprobs]], dim=1)
+        return LogprobsTensors(ids, values, rank[:rows].clone())
 
     def _views(self, bucket: int) -> dict[str, np.ndarray]:
         """numpy views sharing memory with the bucket's program inputs (cheap per-row writes)."""
@@ -205,25 +439,32 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         if views is None:
             inputs = self.head.inputs[bucket]
             views = {name: getattr(inputs, name).numpy()
-                     for name in ("greedy", "full", "top_k", "top_p", "rank_noise", "logit_mask")}
+                     for name in ("greedy", "full", "top_k", "top_p", "rank_noise", "logit_mask", "draft",
+                                  "first_row", "uniform")}
             views.update({name: t.numpy() for name, t in inputs.processors.items()})
             self._nc_views[bucket] = views
             self._nc_dirty[bucket] = {"min_tokens", "logit_bias", "min_p", "penalties"}  # reset on first use
         return views
 
-    def _fill_mask(self, mask: np.ndarray, rows: int) -> None:
+    def _fill_mask(self, mask: np.ndarray, layout: _Layout) -> None:
+        """The scheduler's compact bitmask (``1 + d_i`` rows per structured request, in its own
+        order) into head rows: request ``i``'s position ``j`` is row ``start[i] + j``."""
         mask[:] = -1
         grammar_output, scheduler_output = self._nc_grammar or (None, None)
         if grammar_output is None or self._nc_all_allowed:
             return
         index = self.input_batch.req_id_to_index
-        # No speculative rows (refused at start): batch row = the request's index.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens if scheduler_output is not None else {}
         compact, batch_rows = [], []
-        for compact_row, req_id in enumerate(grammar_output.structured_output_request_ids):
-            row = index.get(req_id)
-            if row is not None and row < rows:
-                compact.append(compact_row)
-                batch_rows.append(row)
+        compact_row = 0
+        for req_id in grammar_output.structured_output_request_ids:
+            span = 1 + len(spec_tokens.get(req_id, ()))
+            i = index.get(req_id)
+            if i is not None and i < layout.requests:
+                first = int(layout.start[i])
+                compact.extend(range(compact_row, compact_row + span))
+                batch_rows.extend(range(first, first + span))
+            compact_row += span
         if batch_rows:
             mask[batch_rows] = grammar_output.grammar_bitmask[compact]
             self._nc_stats["constrained_rows"] += len(batch_rows)
@@ -235,18 +476,21 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         if consts is None or consts.params is not params:
             if len(self._nc_consts) > 4 * self.scheduler_config.max_num_seqs + 16:
                 self._nc_consts = {k: v for k, v in self._nc_consts.items() if k in self.requests}
-            consts = self._nc_consts[req_id] = _RequestConsts(params, self.requests[req_id].prompt_token_ids)
+            consts = self._nc_consts[req_id] = _RequestConsts(
+                params, self.requests[req_id].prompt_token_ids, self._nc_stop_width, req_id)
         return consts
 
-    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], rows: int) -> None:
+    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], layout: _Layout) -> None:
         batch = self.input_batch
+        rows, req, pos = layout.rows, layout.req, layout.pos
+        n = layout.requests
         bucket = inputs.hidden.shape[0]
         dirty = self._nc_dirty[bucket]
         max_top_k = self.head.max_top_k
-        temperature = batch.temperature_cpu[:rows]
+        temperature = batch.temperature_cpu[:n][req]
         greedy = temperature < _SAMPLING_EPS
-        top_k = batch.top_k_cpu[:rows]
-        top_p = batch.top_p_cpu[:rows]
+        top_k = batch.top_k_cpu[:n][req]
+        top_p = batch.top_p_cpu[:n][req]
         no_cut = (top_k >= self.head.vocab_size) | (top_k <= 0)
         full = no_cut & (top_p >= 1.0)
         views["greedy"][:rows] = greedy
@@ -259,64 +503,81 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         views["top_p"][rows:] = TOP_P_OFF
         views["temperature"][:rows] = np.where(greedy, 1.0, temperature)
         views["temperature"][rows:] = 1.0
+        # the drafts to verify: row r verifies draft[r] (-1: none); its request's rows start at first_row
+        views["first_row"][:rows] = layout.start[req]
+        views["first_row"][rows:] = np.arange(rows, bucket)
+        views["draft"][:] = NO_TOKEN
+        if layout.draft is not None:
+            views["draft"][:rows] = layout.draft
         # noise: only rows that sample, and only what they read. Unseeded: a whole row for a
         # full-vocabulary race, else the first max_top_k entries (the race among the sorted
         # candidates, by rank). Seeded: the whole row from the request's own generator, in token
-        # order (as vLLM's sampler draws it).
+        # order (as vLLM's sampler draws it), then the row's draft-acceptance draw.
         generators = batch.generators
+        seeded = np.zeros(rows, dtype=bool)
+        for i in generators:
+            if i < n:
+                seeded |= req == i
         rank_noise = views["rank_noise"]
         rank_noise[:] = True
-        for i in generators:
-            if i < rows:
-                rank_noise[i] = False
+        rank_noise[:rows] = ~seeded
         sampled = np.flatnonzero(~greedy)
         self._nc_stats["sampled_rows"] += len(sampled)
         if len(sampled):
             noise = inputs.noise
-            unseeded = [int(i) for i in sampled if int(i) not in generators]
-            if unseeded:
-                cut_rows = [i for i in unseeded if not full[i]]
-                if len(cut_rows) > 1:
-                    noise[: max(cut_rows) + 1, :max_top_k].exponential_()
-                elif cut_rows:
-                    noise[cut_rows[0], :max_top_k].exponential_()
-                for i in unseeded:
-                    if full[i]:
-                        noise[i].exponential_()
-            for i, gen in generators.items():
-                if i < rows and not greedy[i]:
-                    noise[i].exponential_(generator=gen)
+            unseeded = sampled[~seeded[sampled]]
+            cut_rows = unseeded[~full[unseeded]]
+            if len(cut_rows) > 1:
+                noise[: int(cut_rows.max()) + 1, :max_top_k].exponential_()
+            elif len(cut_rows):
+                noise[int(cut_rows[0]), :max_top_k].exponential_()
+            for r in unseeded[full[unseeded]]:
+                noise[int(r)].exponential_()
+            drafted = sampled[layout.draft[sampled] >= 0] if layout.draft is not None else sampled[:0]
+            if len(drafted):
+                inputs.uniform[torch.from_numpy(drafted[~seeded[drafted]])] = torch.rand(int((~seeded[drafted]).sum()))
+            for r in sampled[seeded[sampled]]:
+                gen = generators[int(req[r])]
+                noise[int(r)].exponential_(generator=gen)
+                if layout.draft is not None and layout.draft[r] >= 0:
+                    inputs.uniform[int(r)] = torch.rand((), generator=gen)
+            # a whole-vocabulary row's recovered token is never its draft: +inf noise there (race term 0)
+            for r in drafted[full[drafted]]:
+                noise[int(r), int(layout.draft[r])] = float("inf")
         # per-request processors: rows that use one (constants cached per request); the rest neutral
-        req_ids = batch.req_ids[:rows]
+        req_ids = batch.req_ids[:n]
         consts = [self._request_consts(req_id) for req_id in req_ids]
         outputs = batch.req_output_token_ids
-        min_tokens = [i for i, c in enumerate(consts) if c.min_tokens and len(outputs[i] or ()) < c.min_tokens]
+        done = [len(outputs[i] or ()) for i in range(n)]
+        min_tokens = [r for r in range(rows) if consts[req[r]].min_tokens
+                      and done[req[r]] + pos[r] < consts[req[r]].min_tokens]
         if min_tokens or "min_tokens" in dirty:
             views["min_tokens_remaining"][:] = 0
             views["min_tokens_stop_ids"][:] = -1
-            for i in min_tokens:
-                c = consts[i]
-                views["min_tokens_remaining"][i] = c.min_tokens - len(outputs[i] or ())
-                views["min_tokens_stop_ids"][i, : len(c.stops)] = c.stops
+            for r in min_tokens:
+                c = consts[req[r]]
+                views["min_tokens_remaining"][r] = c.min_tokens - done[req[r]] - pos[r]
+                views["min_tokens_stop_ids"][r, : len(c.stops)] = c.stops
             self._mark(dirty, "min_tokens", min_tokens)
-        bias = [i for i, c in enumerate(consts) if c.bias_ids is not None]
+        bias = [r for r in range(rows) if consts[req[r]].bias_ids is not None]
         if bias or "logit_bias" in dirty:
             views["logit_bias_ids"][:] = -1
             views["logit_bias_values"][:] = 0.0
-            for i in bias:
-                c = consts[i]
-                views["logit_bias_ids"][i, : len(c.bias_ids)] = c.bias_ids
-                views["logit_bias_values"][i, : len(c.bias_ids)] = c.bias_values
+            for r in bias:
+                c = consts[req[r]]
+                views["logit_bias_ids"][r, : len(c.bias_ids)] = c.bias_ids
+                views["logit_bias_values"][r, : len(c.bias_ids)] = c.bias_values
             self._mark(dirty, "logit_bias", bias)
-        min_p = [i for i, c in enumerate(consts) if c.min_p]
+        min_p = [r for r in range(rows) if consts[req[r]].min_p]
         if min_p or "min_p" in dirty:
             views["min_p"][:] = 0.0
-            for i in min_p:
-                views["min_p"][i] = consts[i].min_p
+            for r in min_p:
+                views["min_p"][r] = consts[req[r]].min_p
             self._mark(dirty, "min_p", min_p)
-        # penalties (vLLM: repetition over prompt + output, frequency/presence over output)
-        rep, freq, pres = (batch.repetition_penalties_cpu[:rows], batch.frequency_penalties_cpu[:rows],
-                           batch.presence_penalties_cpu[:rows])
+        # penalties (vLLM: repetition over prompt + output, frequency/presence over output; at a
+        # draft position the output includes the drafts before it, as vLLM's rejection sampler counts)
+        rep, freq, pres = (batch.repetition_penalties_cpu[:n][req], batch.frequency_penalties_cpu[:n][req],
+                           batch.presence_penalties_cpu[:n][req])
         active = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
         if len(active) or "penalties" in dirty:
             views["penalty_repetition"][:] = 1.0
@@ -329,8 +590,11 @@ class NeuronConstrainModelRunner(CPUModelRunner):
                 views["penalty_frequency"][:rows] = freq
                 views["penalty_presence"][:rows] = pres
             width = views["penalty_token_ids"].shape[1]
-            for i in active:
+            for r in active:
+                i = req[r]
                 output = np.asarray(outputs[i] or (), dtype=np.int64)
+                if pos[r]:
+                    output = np.concatenate([output, layout.drafts_of[i][: pos[r]]])
                 output = output[output >= 0]
                 prompt = consts[i].prompt_unique
                 if len(output):
@@ -340,8 +604,8 @@ class NeuronConstrainModelRunner(CPUModelRunner):
                     counts[np.searchsorted(ids, out_ids).clip(max=len(ids) - 1)] = out_counts
                 else:
                     ids, counts = prompt[:width], 0
-                views["penalty_token_ids"][i, : len(ids)] = ids
-                views["penalty_token_counts"][i, : len(ids)] = counts
+                views["penalty_token_ids"][r, : len(ids)] = ids
+                views["penalty_token_counts"][r, : len(ids)] = counts
             self._mark(dirty, "penalties", active)
 
     @staticmethod
@@ -352,55 +616,59 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             dirty.discard(name)
 
     # ------------------------------------------------------------------ counting
-    def _write_metrics(self, force: bool = False) -> None:
-        """Counters to ``NEURON_CONSTRAIN_VLLM_METRICS``: the step only sets a flag; a writer thread
-        rewrites the file (atomically) at most every ``_METRICS_PERIOD_S`` while steps run."""
-        if self._nc_metrics_path is None:
-            return
-        if force:
-            self._dump_metrics()
-            return
-        if self._nc_metrics_thread is None:
-            self._nc_metrics_thread = threading.Thread(target=self._metrics_loop, name="nc-metrics", daemon=True)
-            self._nc_metrics_thread.start()
-        self._nc_metrics_event.set()
+    def _notify_counters(self) -> None:
+        if self._nc_counters is not None:
+            self._nc_counters.notify()
 
-    def _metrics_loop(self) -> None:
-        while True:
-            self._nc_metrics_event.wait()
-            time.sleep(_METRICS_PERIOD_S)
-            self._nc_metrics_event.clear()
-            try:
-                self._dump_metrics()
-            except OSError as e:  # never take the engine down for a counters file
-                log.warning("neuron_constrain: could not write %s: %s", self._nc_metrics_path, e)
-
-    def _dump_metrics(self) -> None:
-        data = {
+    def _counters(self) -> dict:
+        return {
             **self._nc_stats,
             "compilations": self.head.compilations,
             "compilations_after_warmup": self.head.compilations - (self._nc_warm_compilations or 0),
             "buckets": self.head.buckets,
             "calls_per_bucket": {str(k): v for k, v in dict(self.head.calls).items()},
+            "logprob_calls_per_bucket": {str(k): v for k, v in dict(self.head.logprob_calls).items()},
             "all_allowed_mask": self._nc_all_allowed,
+            "num_speculative_tokens": self._nc_num_spec,
+            "tensor_parallel_size": self.vllm_config.parallel_config.tensor_parallel_size,
+            "rank": self._nc_rank,
+            "stop_ids_per_row": self._nc_stop_width,
+            "tp_all_gather_ms": self._nc_all_gather_ms,
             "pid": os.getpid(),
         }
-        tmp = f"{self._nc_metrics_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self._nc_metrics_path)
+
+
+def _spread(logprobs: LogprobsTensors, layout: _Layout, width: int) -> LogprobsTensors:
+    """Head rows' logprobs into vLLM's speculative layout: ``requests x width`` rows (request-major)."""
+    at = torch.from_numpy(layout.req * width + layout.pos)
+    total = layout.requests * width
+    ids = torch.zeros(total, logprobs.logprob_token_ids.shape[1], dtype=logprobs.logprob_token_ids.dtype)
+    values = torch.zeros(total, logprobs.logprobs.shape[1], dtype=logprobs.logprobs.dtype)
+    ranks = torch.zeros(total, dtype=logprobs.selected_token_ranks.dtype)
+    ids[at], values[at], ranks[at] = logprobs.logprob_token_ids, logprobs.logprobs, logprobs.selected_token_ranks
+    return LogprobsTensors(ids, values, ranks)
 
 
 class _RequestConsts:
-    """What the head's per-request inputs need from a request's ``SamplingParams`` (fixed per request)."""
+    """What the head's per-request inputs need from a request's ``SamplingParams`` (fixed per request).
+
+    ``stop_width`` is the program's stop-id width, sized from the model (the validator's
+    limit on a request's own stop ids plus the model's EOS ids): every stop id fits.
+    """
 
     __slots__ = ("params", "min_tokens", "stops", "bias_ids", "bias_values", "min_p", "prompt_unique")
 
-    def __init__(self, params, prompt_token_ids):
+    def __init__(self, params, prompt_token_ids, stop_width: int, req_id: str = "?"):
         self.params = params
         self.min_tokens = int(params.min_tokens or 0)
-        self.stops = (np.asarray(sorted(params.all_stop_token_ids)[:MAX_STOP_TOKENS], dtype=np.int64)
-                      if self.min_tokens else None)
+        self.stops = None
+        if self.min_tokens:
+            stops = sorted(params.all_stop_token_ids)
+            if len(stops) > stop_width:  # the validator and the sizing make this unreachable; never silent
+                log.error("neuron_constrain: request %s has %d stop ids with min_tokens, more than the program's "
+                          "%d: min_tokens masks only the first %d", req_id, len(stops), stop_width, stop_width)
+                stops = stops[:stop_width]
+            self.stops = np.asarray(stops, dtype=np.int64)
         self.bias_ids = self.bias_values = None
         if params.logit_bias:
             items = list(params.logit_bias.items())[:MAX_BIAS_TOKENS]
@@ -410,10 +678,27 @@ class _RequestConsts:
         self.prompt_unique = np.unique(np.asarray(prompt_token_ids or [], dtype=np.int64))
 
 
+@contextlib.contextmanager
+def _no_custom_logits_processors_with_speculation(vllm_config):
+    """vLLM's model runner refuses custom logits processors with speculative decoding (its
+    rejection sampler would skip them). The plugin's only one is the frontend's validator,
+    whose ``validate_params`` the API server process runs from its own config; the worker
+    builds its runner without it (its sampler and rejection sampler are never called)."""
+    model = vllm_config.model_config
+    saved = model.logits_processors
+    if vllm_config.speculative_config is not None:
+        model.logits_processors = None
+    try:
+        yield
+    finally:
+        model.logits_processors = saved
+
+
 class NeuronConstrainWorker(CPUWorker):
     """vLLM's CPU worker with :class:`NeuronConstrainModelRunner` as its model runner."""
 
     def init_device(self):
         check_config(self.vllm_config)
-        super().init_device()
+        with _no_custom_logits_processors_with_speculation(self.vllm_config):
+            super().init_device()
         self.model_runner = NeuronConstrainModelRunner(self.vllm_config, torch.device("cpu"))

@@ -28,20 +28,28 @@ def free_port() -> int:
 
 
 class Server:
+    """One vLLM OpenAI server on 127.0.0.1 (the plugin unless ``plugin=False``), on the tiny model
+    unless ``model="smollm2"``; ``extra``: more vLLM flags (the launcher's thread binding applies)."""
+
     def __init__(self, name: str, *, plugin: bool = True, env: dict | None = None, tmp: pathlib.Path,
-                 extra: list[str] | None = None, max_num_seqs: int = 8):
-        from neuron_constrain.vllm.serve import command, environment
+                 extra: list[str] | None = None, max_num_seqs: int = 8, model: str = "tiny"):
+        from neuron_constrain.vllm.serve import command, environment, resolve
         from neuron_constrain.vllm.tiny_model import build
 
         self.port = free_port()
-        self.model = build(ROOT / "build" / "tiny-llama")
+        if model == "tiny":
+            spec = dict(model=build(ROOT / "build" / "tiny-llama"), name="tiny")
+        else:
+            spec = resolve(model)
+        self.model = spec["model"]
+        self.name = spec["name"]
         self.log_path = tmp / f"{name}.log"
         self.metrics_path = tmp / f"{name}.metrics.json"
         extra_env = {"NEURON_CONSTRAIN_VLLM_METRICS": str(self.metrics_path), **(env or {})}
-        self.cmd = command(self.model, self.port, plugin=plugin, max_num_seqs=max_num_seqs, extra=extra)
+        self.cmd = command(port=self.port, plugin=plugin, max_num_seqs=max_num_seqs, extra=extra, **spec)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=environment(**extra_env), stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=environment(vllm_args=extra or (), **extra_env),
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait()
 
@@ -49,8 +57,9 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                log = self.log()
                 self.stop()
-                raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}) at start:\n{self.log()[-6000:]}")
+                raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}) at start:\n{log[-6000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -58,8 +67,9 @@ class Server:
             except OSError:
                 pass
             time.sleep(1)
+        log = self.log()
         self.stop()
-        raise RuntimeError(f"the vLLM server did not answer /health in {START_TIMEOUT}s:\n{self.log()[-6000:]}")
+        raise RuntimeError(f"the vLLM server did not answer /health in {START_TIMEOUT}s:\n{log[-6000:]}")
 
     def client(self):
         import openai
@@ -75,16 +85,28 @@ class Server:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def metrics(self) -> dict:
-        """The plugin's counters: its writer thread rewrites the file ~50 ms after a step, so wait
-        until the file is older than METRICS_SETTLE (or a bound) before reading it."""
+    def metrics(self, rank: int = 0) -> dict:
+        """The plugin's counters (of one tensor-parallel rank): its writer thread rewrites the file
+        ~50 ms after a step, so wait until the file is older than METRICS_SETTLE (or a bound)."""
         import json
 
+        path = self.metrics_path if rank == 0 else self.metrics_path.with_name(f"{self.metrics_path.name}.rank{rank}")
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and time.time() - self.metrics_path.stat().st_mtime < METRICS_SETTLE:
+        while time.monotonic() < deadline and time.time() - path.stat().st_mtime < METRICS_SETTLE:
             time.sleep(0.05)
         time.sleep(METRICS_SETTLE)
-        return json.loads(self.metrics_path.read_text())
+        return json.loads(path.read_text())
+
+    def prometheus(self, name: str) -> float:
+        """The sum of a counter in vLLM's ``/metrics`` (e.g. ``vllm:spec_decode_num_accepted_tokens_total``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def log_since(self, offset: int) -> str:
+        """The server log written after ``offset`` (``len(server.log())`` taken earlier)."""
+        return self.log()[offset:]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -98,6 +120,22 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
         self._log.close()
+
+
+@pytest.fixture(scope="session")
+def plugin_server(tmp_path_factory):
+    """The plugin on the tiny model with default flags, shared by the modules that compare against it."""
+    server = Server("plugin-shared", tmp=tmp_path_factory.mktemp("vllm-shared"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def stock_server(tmp_path_factory):
+    """Stock vLLM (plugin off) on the tiny model with the same flags, shared like ``plugin_server``."""
+    server = Server("stock-shared", plugin=False, tmp=tmp_path_factory.mktemp("vllm-shared"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")

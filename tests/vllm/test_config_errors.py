@@ -23,7 +23,8 @@ def _config(**over):
         speculative_config=None,
         parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         use_v2_model_runner=False,
-        model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR], logprobs_mode="raw_logprobs"),
+        model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR], logprobs_mode="raw_logprobs",
+                                           max_logprobs=20),
     )
     base.update(over)
     return types.SimpleNamespace(**base)
@@ -33,14 +34,24 @@ def test_check_config():
     from neuron_constrain.vllm.worker import ConfigError, check_config
 
     check_config(_config())
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        check_config(_config(speculative_config=object()))
-    with pytest.raises(ConfigError, match="tensor-parallel-size 1"):
-        check_config(_config(parallel_config=types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)))
+    # served now: ngram speculation, tensor parallelism
+    check_config(_config(speculative_config=types.SimpleNamespace(method="ngram", rejection_sample_method="standard")))
+    check_config(_config(parallel_config=types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)))
+    with pytest.raises(ConfigError, match="use method 'ngram'"):
+        check_config(_config(speculative_config=types.SimpleNamespace(method="eagle", rejection_sample_method="standard")))
+    with pytest.raises(ConfigError, match="pipeline-parallel-size 1"):
+        check_config(_config(parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)))
     with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         check_config(_config(use_v2_model_runner=True))
     with pytest.raises(ConfigError, match="--logits-processors neuron_constrain.vllm.validate:RequestValidator"):
-        check_config(_config(model_config=types.SimpleNamespace(logits_processors=None, logprobs_mode="raw_logprobs")))
+        check_config(_config(model_config=types.SimpleNamespace(logits_processors=None, logprobs_mode="raw_logprobs",
+                                                                max_logprobs=20)))
+    with pytest.raises(ConfigError, match="raw_logprobs"):
+        check_config(_config(model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR],
+                                                                logprobs_mode="processed_logprobs", max_logprobs=20)))
+    with pytest.raises(ConfigError, match="--max-logprobs -1"):
+        check_config(_config(model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR],
+                                                                logprobs_mode="raw_logprobs", max_logprobs=-1)))
 
 
 def test_lm_head_not_found():
@@ -69,13 +80,60 @@ def test_request_validation_names_the_parameter():
     from neuron_constrain.vllm.validate import check_request
 
     check_request(SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.1, seed=3, n=2))
+    check_request(SamplingParams(logprobs=5))  # served by the logprobs program
+    check_request(SamplingParams(min_tokens=3, stop_token_ids=list(range(100, 100 + ncv.MAX_STOP_TOKEN_IDS))))
     for params, name in [
-        (SamplingParams(logprobs=1), "logprobs"),
         (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
         (SamplingParams(temperature=1.0, top_k=ncv.MAX_TOP_K + 1), "top_k"),
         (SamplingParams(logit_bias={i: 1.0 for i in range(ncv.MAX_BIAS_TOKENS + 1)}), "logit_bias"),
         (SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+        (SamplingParams(min_tokens=3, stop_token_ids=list(range(100, 101 + ncv.MAX_STOP_TOKEN_IDS))), "stop_token_ids"),
     ]:
         with pytest.raises(VLLMValidationError) as info:
             check_request(params)
         assert info.value.parameter == name
+        if name == "stop_token_ids":  # the limit is named, with the fix
+            assert f"at most {ncv.MAX_STOP_TOKEN_IDS} stop_token_ids" in str(info.value)
+
+
+def test_every_stop_id_reaches_the_program_with_many_eos_ids():
+    """A model with 6 EOS ids and a request with the most stop ids the validator admits: the
+    program's stop-id input is sized from the model, so min_tokens masks all 18 (none cut)."""
+    from vllm import SamplingParams
+
+    from neuron_constrain.vllm.worker import _RequestConsts, model_eos_ids
+
+    eos = [2, 3, 4, 5, 6, 7]
+    model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(eos_token_id=2), skip_tokenizer_init=True,
+                                         try_get_generation_config=lambda: {"eos_token_id": eos})
+    assert model_eos_ids(model_config) == set(eos)
+    params = SamplingParams(min_tokens=5, stop_token_ids=list(range(1000, 1000 + ncv.MAX_STOP_TOKEN_IDS)))
+    params.update_from_generation_config({"eos_token_id": eos}, eos_token_id=2)  # what vLLM's frontend does
+    assert len(params.all_stop_token_ids) == ncv.MAX_STOP_TOKEN_IDS + len(eos)
+    consts = _RequestConsts(params, [1, 5], ncv.MAX_STOP_TOKEN_IDS + len(model_eos_ids(model_config)))
+    assert sorted(consts.stops.tolist()) == sorted(params.all_stop_token_ids)
+
+
+def test_counters_thread_survives_any_write_error(tmp_path, caplog):
+    """A counters write that raises (here a TypeError from a value JSON cannot encode) is logged with
+    its type, and the writer thread still writes the next snapshot."""
+    import json
+    import logging
+    import time
+
+    from neuron_constrain.vllm.worker import CountersFile
+
+    snapshots = iter([{"bad": object()}, {"steps": 2}])
+    path = tmp_path / "counters.json"
+    counters = CountersFile(str(path), lambda: next(snapshots), period=0.01)
+    with caplog.at_level(logging.WARNING, logger="vllm.neuron_constrain"):
+        counters.notify()
+        deadline = time.monotonic() + 5
+        while counters.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        counters.notify()
+        while not (path.exists() and path.read_text().endswith("}")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert counters.failures == 1 and "TypeError" in caplog.text
+    assert json.loads(path.read_text()) == {"steps": 2}
+    assert counters._thread.is_alive()
