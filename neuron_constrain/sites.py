@@ -355,13 +355,16 @@ def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size, *, weights, wh
 
 _MODULES_ITEM = re.compile(r"\._modules\[(['\"])(.*?)\1\]")
 _ITEM = re.compile(r"\[(['\"]?)(.*?)\1\]")
+# A ModuleList sliced from its start keeps its indices (HF's ``self.layers[:num_hidden_layers]``).
+_LEADING_SLICE = re.compile(r"\.slice\((?:None|0), [^,()]*, (?:None|1)\)(?=\.|$)")
 
 
 def normalize_module_path(path: str) -> str:
     """One dotted spelling for every tracer's module path.
 
     ``L['self'].layers[0].mlp``, ``L['self']._modules['layers']._modules['0'].mlp``,
-    ``L['self'].layers.0.mlp`` and ``layers.0.mlp`` all become ``layers.0.mlp``.
+    ``L['self'].layers.0.mlp``, ``layers.0.mlp`` and strict export's (torch 2.9)
+    ``layers.slice(None, 2, None).0.mlp`` all become ``layers.0.mlp``.
     """
     for prefix in ("L['self']", 'L["self"]', "L__self__"):
         if path.startswith(prefix):
@@ -369,7 +372,7 @@ def normalize_module_path(path: str) -> str:
             break
     path = _MODULES_ITEM.sub(lambda m: "." + m.group(2), path)
     path = _ITEM.sub(lambda m: "." + m.group(2), path)
-    return path.strip(".")
+    return _LEADING_SLICE.sub("", path).strip(".")
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -65,7 +65,7 @@ def test_decomposed_attention_layers_are_never_heads(decomposed):
     weights = weight_names(program)
     # The attention scores q @ k^T are as wide as the cache: every layer has one widening bmm.
     scores = [n for n in projections(graph) if n.target == bmm]
-    assert len(scores) == LAYERS, [n.name for n in scores]
+    assert [module_path(n) for n in scores] == [f"cached.model.model.layers.{i}.self_attn" for i in range(LAYERS)]
     found = projections(graph, weights=weights)
     assert not set(scores) & set(found), "an attention product counted as a projection"
     heads = plan_heads(graph, [], VOCAB, weights=weights)
