@@ -63,10 +63,10 @@ def _percentile(values, q):
 def _raw_fill_seconds(engine, matcher, buffer) -> float:
     """The engine's own fill call on ``matcher``'s state, without our layer."""
     start = time.perf_counter()
-    if engine.name == "xgrammar":
-        matcher.fill_next_token_bitmask(buffer, 0)
-    else:
+    if isinstance(matcher, E.LLGuidanceMatcher):
         matcher.inner.unsafe_compute_mask_ptr(buffer.data_ptr(), buffer.shape[-1] * 4)
+    else:  # xgrammar's matcher is the engine's own
+        matcher.fill_next_token_bitmask(buffer, 0)
     return time.perf_counter() - start
 
 
@@ -92,9 +92,7 @@ def _runtime_host_us(engine, tokenizer, compiled, tokens) -> list[float]:
     from neuron_constrain.structured.runtime import StructuredRuntime
 
     if not _RUNTIME:
-        runtime = StructuredRuntime(tokenizer, max_rows=1, engine=engine.name, fill_threads=1, compile_workers=1)
-        runtime.engine = engine  # the worker's engine: its matchers, on the grammars it compiled
-        _RUNTIME.append(runtime)
+        _RUNTIME.append(StructuredRuntime(tokenizer, max_rows=1, engine=engine.name, fill_threads=1, compile_workers=1))
     runtime, out = _RUNTIME[0], []
     runtime.compiled.put(compiled)  # compiled once, by evaluate()
     runtime.add("bench", compiled.constraint)

@@ -138,7 +138,8 @@ def rooms() -> tuple[dict[str, str], dict[str, set[str]]]:
 
 
 def room_of(module: str, prefixes: dict[str, str]) -> str | None:
-    best = max((p for p in prefixes if module == p or module.startswith(p + ".")), key=len, default=None)
+    """The room of the longest prefix naming ``module`` (the package itself names only itself)."""
+    best = max((p for p in prefixes if module == p or ("." in p and module.startswith(p + "."))), key=len, default=None)
     return prefixes.get(best)
 
 

@@ -51,7 +51,7 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.passes.mask_logits_pass import MASK_INPUT
+from neuron_constrain.mask_interface import MASK_INPUT
 from neuron_constrain.structured.accept import Acceptor
 from neuron_constrain.structured.compile_cache import CompileCache
 from neuron_constrain.structured.constraints import Constraint, engine_message
