@@ -20,7 +20,7 @@ from neuron_constrain.errors import TransformError
 from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_mask_input
 from neuron_constrain.passes.tap_modules_pass import INPUT_PREFIX as TAP_PREFIX
 from neuron_constrain.passes.tap_modules_pass import RANK_INPUT as TAP_RANK_INPUT
-from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs
+from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
 
@@ -305,19 +305,6 @@ def check_taps(program) -> list[str]:
                 "bypassing the tap: a replacement would not reach them; rewrite the original program again"
             )
     return failures
-
-
-def wheres_fed_by(source) -> list:
-    """The ``where`` nodes ``source`` reaches through non-``where`` nodes: a tap's own
-    select, found without walking the whole graph once per tap."""
-    found, seen, stack = [], set(), [source]
-    while stack:
-        for user in stack.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            (found if user.target is torch.ops.aten.where.self else stack).append(user)
-    return found
 
 
 def depends_on(node, source) -> bool:
