@@ -172,8 +172,8 @@ def test_width_mismatch_and_bad_constraints(greedy, vocab):
     with pytest.raises(ValueError, match=r"transform with vocab_size=1000"):
         S.StructuredRuntime.for_model(enabled, toy_tokenizer(1000).info, max_rows=2)
     runtime = S.StructuredRuntime(vocab.info, max_rows=1)
-    runtime.add("r", S.regex("(unclosed"))  # fails the request at once, never the caller
-    assert isinstance(runtime.error("r"), S.GrammarFailedError) and runtime.ready(["r"]) == []
+    runtime.add("r", S.regex("(unclosed"))  # fails the request (once its compilation ran), never the caller
+    assert runtime.wait(["r"]) == [] and isinstance(runtime.error("r"), S.GrammarFailedError)
     assert "could not compile this regex" in str(runtime.error("r")) and "request 'r'" in str(runtime.error("r"))
     with pytest.raises(S.ConstraintError, match="non-empty strings"):
         S.choice([])
@@ -439,6 +439,36 @@ def test_fill_threads_fill_every_row_and_report_each_failure_with_its_row():
         buffer.zero_()
         assert fillers.fill(rows[:8], buffer, list(range(8))) == []  # the threads survive an error
         assert buffer[:8, 0].tolist() == list(range(1, 9))
+    finally:
+        fillers.close()
+
+
+class _MeetingRow(_SlowRow):
+    """The first row each thread takes waits (10 s at most) for the other thread to take one."""
+
+    def __init__(self, value, meeting, first, lock):
+        super().__init__(value)
+        self.meeting, self.first, self.lock = meeting, first, lock
+
+    def fill_next_token_bitmask(self, buffer, row):
+        me = threading.current_thread()
+        with self.lock:
+            new = me not in self.first
+            self.first.add(me)
+        if new:
+            self.meeting.wait()  # BrokenBarrierError after 10 s: one thread took every row
+        super().fill_next_token_bitmask(buffer, row)
+
+
+def test_both_fill_threads_take_rows():
+    """Shown by a meeting, not by timing: each thread's first row waits for the other thread's."""
+    fillers = E.RowFillers(2, timeout=30)
+    try:
+        meeting, first, lock = threading.Barrier(2, timeout=10), set(), threading.Lock()
+        rows = [_MeetingRow(i + 1, meeting, first, lock) for i in range(20)]
+        buffer = torch.zeros(20, 4, dtype=torch.int32)
+        assert fillers.fill(rows, buffer, list(range(20))) == []
+        assert len({r.thread for r in rows}) == 2 and buffer[:, 0].tolist() == list(range(1, 21))
     finally:
         fillers.close()
 

@@ -112,7 +112,7 @@ class StructuredRuntime:
         max_rows: int,
         enable_structured_outputs: bool = True,
         tokenizer_info: xgr.TokenizerInfo | None = None,
-        engine: str = "xgrammar",
+        engine: str = "auto",
         fill_threads: int | None = None,
         compile_workers: int = 2,
         compile_timeout: float = 60.0,

@@ -68,6 +68,8 @@ class AutoEngine(GrammarEngine):
         return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
 
     def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        if self._llguidance is None:  # nothing went to llguidance yet: every matcher is xgrammar's
+            return self.xgrammar.batch_fill(matchers, buffer, rows)
         check_rows(buffer, rows, self.width)
         split = [i for i, m in enumerate(matchers) if isinstance(m, LLGuidanceMatcher)]
         if not split:
@@ -79,6 +81,11 @@ class AutoEngine(GrammarEngine):
                 found = engine.batch_fill([matchers[i] for i in indices], buffer, [rows[i] for i in indices])
                 failures += [(indices[k], error) for k, error in found]
         return sorted(failures, key=lambda failure: failure[0])
+
+    def batch_accept(self, matchers: Sequence, tokens: Sequence[int]) -> list[bool]:
+        if self._llguidance is None:
+            return self.xgrammar.batch_accept(matchers, tokens)
+        return super().batch_accept(matchers, tokens)
 
     def forced_tokens(self, matcher) -> list[int]:
         return (self.llguidance if isinstance(matcher, LLGuidanceMatcher) else self.xgrammar).forced_tokens(matcher)
