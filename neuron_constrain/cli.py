@@ -7,7 +7,9 @@
     neuron-constrain check IN.pt2 [--expect GOLDEN.txt [--update]]
     neuron-constrain hlo IN.pt2 [-o OUT.hlo.txt]        # HLO text via torch-xla (the mask is a parameter)
     neuron-constrain localize IN.pt2 --captures CAPTURES [--json OUT.json] [--plot OUT.png]   # exit 1: a culprit
-    neuron-constrain demo
+    neuron-constrain generate --model smollm2 --prompt TEXT [--schema FILE | --regex R | --choice A,B |
+                              --tools FILE --tool-choice required|auto|NAME] [--engine E] [--whitespace W] [--max-tokens N]
+    neuron-constrain demo [--model smollm2|tiny]
 
 Exit status: 0 ok, 1 a check failed or the graphs differ, 2 bad usage or unreadable
 input (one line naming the problem; ``--debug`` shows the traceback).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -322,7 +325,35 @@ def _localize(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from neuron_constrain.demo import run_demo
 
-    return run_demo(seed=args.seed)
+    return run_demo(seed=args.seed, model=args.model)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from neuron_constrain.models import ModelNotInstalledError, load_model
+    from neuron_constrain.models.answer import ask, request_from_options
+    from neuron_constrain.structured import ConstraintError
+
+    try:  # a bad file, schema, pattern or tool list fails before the model loads
+        request = request_from_options(args.prompt, schema=args.schema, regex=args.regex, choice=args.choice,
+                                       tools=args.tools, tool_choice=args.tool_choice, whitespace=args.whitespace,
+                                       max_tokens=args.max_tokens)
+        answer = ask(load_model(args.model), request, engine=args.engine, max_tokens=args.max_tokens)
+    except (ConstraintError, ModelNotInstalledError, ValueError) as e:
+        if args.debug:
+            raise
+        raise UsageError(str(e)) from e
+    print(answer.text)
+    if answer.value is not None:
+        print("json: " + json.dumps(answer.value, ensure_ascii=False))
+    if answer.tool_calls is not None:
+        print("tool calls: " + json.dumps(answer.tool_calls, ensure_ascii=False))
+    print(f"[{answer.finish_reason}, {answer.tokens} tokens, {answer.seconds:.1f} s]", file=sys.stderr)
+    if answer.finish_reason == "error":  # its constraint was refused or the prompt does not fit: the input
+        raise UsageError(answer.error)
+    if answer.problem is not None:
+        print(f"error: the answer is incomplete or invalid: {answer.problem}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _add_allow_pickle(command: argparse.ArgumentParser) -> None:
@@ -397,8 +428,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_allow_pickle(localize)
     localize.set_defaults(func=_localize)
 
-    demo = sub.add_parser("demo", help="constrained decoding on a tiny random-weight decoder")
+    generate = sub.add_parser("generate", help="one constrained (or free) answer from a real model")
+    generate.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
+                          help="smollm2: SmolLM2-135M-Instruct (converted once into build/); tiny: random weights")
+    generate.add_argument("--prompt", required=True, help="the user's message (the model's chat template is applied)")
+    kind = generate.add_mutually_exclusive_group()
+    kind.add_argument("--schema", metavar="FILE", help="a JSON schema file: the answer is JSON valid against it")
+    kind.add_argument("--regex", metavar="R", help="the answer matches this regular expression")
+    kind.add_argument("--choice", metavar="A,B", help="the answer is one of these comma-separated options")
+    kind.add_argument("--tools", metavar="FILE", help="a JSON list of OpenAI tools, rendered into the prompt")
+    generate.add_argument("--tool-choice", metavar="required|auto|NAME", default=None,
+                          help="with --tools: required (a call is enforced), auto (free text, calls parsed) or a tool's name")
+    generate.add_argument("--engine", choices=("auto", "xgrammar", "llguidance"), default="auto", help="the grammar engine")
+    generate.add_argument("--whitespace", choices=("none", "compact", "bounded", "any"), default=None,
+                          help="whitespace JSON may hold between tokens (with --schema; default: json_schema's)")
+    generate.add_argument("--max-tokens", type=int, default=256, metavar="N", help="the most tokens to generate")
+    generate.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo", help="structured outputs on SmolLM2 (--model tiny: the passes on random-weight decoders)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     demo.set_defaults(func=_demo)
     return parser
 

