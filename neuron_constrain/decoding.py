@@ -256,7 +256,8 @@ class CachedDecoder:
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
-        return self.prefill.run(ids, torch.as_tensor(list(rows), dtype=torch.long), last, **extra)
+        with torch.no_grad():  # with grad on, every write would chain the cache into an ever-growing autograd graph
+            return self.prefill.run(ids, torch.as_tensor(list(rows), dtype=torch.long), last, **extra)
 
     def run_step(self, tokens, positions: Sequence[int], **extra):
         """One step of cache rows ``0..B-1``: ``tokens [B, n]`` at positions ``positions[b] + 0..n-1``."""
@@ -270,8 +271,10 @@ class CachedDecoder:
             raise ValueError(f"positions up to {end - 1}: the cache holds positions 0..{self.max_len - 1}")
         window = _round_up(end, self.window_bucket, self.max_len)
         attention_mask = torch.arange(window)[None, :] <= position_ids[:, -1:]
-        return self.steps[n].run(tokens, position_ids, attention_mask, **extra)
+        with torch.no_grad():
+            return self.steps[n].run(tokens, position_ids, attention_mask, **extra)
 
+    @torch.no_grad()
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Move cache rows ``rows`` (ascending) to rows ``0..len(rows)-1`` (finished requests leave)."""
         for new, old in enumerate(rows):

@@ -137,3 +137,13 @@ def _verify_logits(model, prompts, drafts):
         ids = torch.tensor([prompt + row])
         rows.append(model(input_ids=ids).logits[0, len(prompt):len(prompt) + len(row)])  # after each draft
     return torch.stack(rows)
+
+
+def test_cache_holds_no_autograd_history():
+    """generate() without no_grad around it: the cache tensors stay plain (a write under grad
+    would chain every step into one autograd graph: memory without bound)."""
+    model = tiny_decoder("llama", vocab_size=PADDED)
+    decoder = export_decoder(model, max_batch=2, max_len=32, vocab_size=VOCAB.vocab_size)
+    assert torch.is_grad_enabled()
+    S.generate(decoder, ["ab", "c"], [None, None], 6, tokenizer=VOCAB)
+    assert not any(t.requires_grad or t.grad_fn is not None for t in decoder.cache)

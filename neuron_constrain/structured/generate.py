@@ -201,7 +201,7 @@ def generate(
     tokenizer: TokenizerLike,
     runtime: StructuredRuntime | None = None,
     compile_timeout: float | None = None,
-    engine: str = "xgrammar",
+    engine: str = "auto",
     pipelined: bool = False,
 ) -> GenerateResult:
     """Greedy decoding of a batch with per-request constraints.
@@ -223,8 +223,8 @@ def generate(
     others run. Finished requests leave the batch between steps; a request reaching
     the end of the cache ends with ``"length"``. Constrained requests on a graph without
     a mask input raise :class:`StructuredOutputsDisabledError` before any step.
-    ``engine``: the grammar engine of the runtime built here (``"xgrammar"`` |
-    ``"llguidance"`` | ``"auto"``; a passed ``runtime`` has its own). A schema accepted
+    ``engine``: the grammar engine of the runtime built here (``"auto"``, the runtime's
+    default, | ``"xgrammar"`` | ``"llguidance"``; a passed ``runtime`` has its own). A schema accepted
     with ``unenforced="allow"`` lists the keywords on ``Generation.unenforced`` and a
     finished output is validated against the schema (``Generation.violation``).
     ``pipelined``: fill each step's masks while the model's body runs (the graph cut at
