@@ -82,7 +82,11 @@ def lay_out(batch: Sequence[Hashable], states: Mapping[Hashable, RequestState],
         raise BatchLayoutError(f"the batch {list(batch)} names a request twice; each request owns one slot")
     if not drafts and not rows_per_request:
         return _one_row_each(key, states, max_rows, version)
-    drafts = drafts or {}
+    return _laid_out(key, states, drafts or {}, rows_per_request, max_rows, version)
+
+
+def _laid_out(key: tuple, states, drafts: Mapping, rows_per_request: int | None, max_rows: int, version: int) -> Layout:
+    """One pass over the batch: each request's rows (``1 + len(draft)``, or ``rows_per_request``)."""
     layout = Layout(version, key, 0, [], [], [], [])
     row = 0
     for position, request_id in enumerate(key):
@@ -131,21 +135,7 @@ def _one_row_each(key: tuple, states: Mapping[Hashable, RequestState], max_rows:
     if every_row_live:
         positions = list(range(len(key)))
         return Layout(version, key, len(key), matchers, positions, positions, live)
-    layout = Layout(version, key, len(key), [], [], [], [])
-    for position, request_id in enumerate(key):
-        state = _state(states, request_id)
-        if state.constraint is None:  # unconstrained (finished or not): -1
-            layout.free_rows.append(position)
-            layout.others.append(position)
-        elif state.finished:  # a stop token accepted, or failed
-            layout.stop_rows.append(position)
-            layout.others.append(position)
-        else:
-            layout.matchers.append(state.matcher)
-            layout.fill_rows.append(position)
-            layout.positions.append(position)
-            layout.requests.append(state)
-    return layout
+    return _laid_out(key, states, {}, None, max_rows, version)
 
 
 def _state(states: Mapping[Hashable, RequestState], request_id: Hashable) -> RequestState:
