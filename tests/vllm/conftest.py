@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-START_TIMEOUT = 300  # seconds; an engine start is ~30-60 s on the shared 2-core machine
+START_TIMEOUT = 600  # seconds; an engine start is ~30-60 s idle, up to ~300 s (TP 2) on the loaded 2-core machine
 REQUEST_TIMEOUT = 120
 METRICS_SETTLE = 0.25  # seconds; the worker writes its counters file at most ~50 ms after a step
 
@@ -45,7 +47,8 @@ class Server:
         self.name = spec["name"]
         self.log_path = tmp / f"{name}.log"
         self.metrics_path = tmp / f"{name}.metrics.json"
-        extra_env = {"NEURON_CONSTRAIN_VLLM_METRICS": str(self.metrics_path), **(env or {})}
+        # unbuffered: vLLM logs to stdout, which a file would hold back in 8 KB blocks
+        extra_env = {"NEURON_CONSTRAIN_VLLM_METRICS": str(self.metrics_path), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.cmd = command(port=self.port, plugin=plugin, max_num_seqs=max_num_seqs, extra=extra, **spec)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=environment(vllm_args=extra or (), **extra_env),
@@ -123,26 +126,36 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def plugin_server(tmp_path_factory):
+def server_dir():
+    """Logs and counters files of this session's servers. Not pytest's tmp_path: pytest keeps only
+    its three latest base folders, so another pytest run on the machine would delete a running
+    server's files mid-session."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="neuron-constrain-vllm-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def plugin_server(server_dir):
     """The plugin on the tiny model with default flags, shared by the modules that compare against it."""
-    server = Server("plugin-shared", tmp=tmp_path_factory.mktemp("vllm-shared"))
+    server = Server("plugin-shared", tmp=server_dir)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def stock_server(tmp_path_factory):
+def stock_server(server_dir):
     """Stock vLLM (plugin off) on the tiny model with the same flags, shared like ``plugin_server``."""
-    server = Server("stock-shared", plugin=False, tmp=tmp_path_factory.mktemp("vllm-shared"))
+    server = Server("stock-shared", plugin=False, tmp=server_dir)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def start_server(tmp_path_factory):
+def start_server(server_dir):
     """``start_server(name, plugin=True, env=None)`` -> a running :class:`Server`, stopped after the module."""
     servers = []
-    tmp = tmp_path_factory.mktemp("vllm")
+    tmp = server_dir
 
     def start(name: str, **kwargs) -> Server:
         server = Server(name, tmp=tmp, **kwargs)

@@ -2,19 +2,18 @@
 unconstrained and constrained."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from checks import CHOICES, REGEX, SCHEMAS, TOOLS
+from traffic import token_ids
 
 PROMPTS = ["Hello", "The capital of France is", "def fibonacci(n):", "1, 2, 3,", "Once upon a time",
            "JSON:", "<tool_call>", "Les"]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server):
-    return start_server("stock-equiv", plugin=False), start_server("plugin-equiv")
+def servers(stock_server, plugin_server):
+    return stock_server, plugin_server
 
 
 def _requests():
@@ -36,31 +35,15 @@ def _requests():
     return reqs
 
 
-async def _token_ids(server, reqs):
-    client = server.async_client()
-
-    async def one(kind, kwargs):
-        kwargs = {**kwargs, "temperature": 0}
-        kwargs["extra_body"] = {**kwargs.get("extra_body", {}), "return_token_ids": True}
-        if kind == "completion":
-            r = await client.completions.create(model="tiny", **kwargs)
-        else:
-            r = await client.chat.completions.create(model="tiny", **kwargs)
-        return r.choices[0].model_extra["token_ids"]
-
-    try:  # concurrently: batches of several rows, as in serving
-        return await asyncio.wait_for(asyncio.gather(*(one(k, kw) for k, kw in reqs)), timeout=600)
-    finally:
-        await client.close()
-
-
 def test_greedy_token_identical_to_stock_vllm(servers):
     stock, plugin = servers
     reqs = _requests()
-    expected = asyncio.run(_token_ids(stock, reqs))
-    got = asyncio.run(_token_ids(plugin, reqs))
+    before = plugin.metrics()
+    expected = token_ids(stock, [(k, {**kw, "temperature": 0}) for k, kw in reqs])
+    got = token_ids(plugin, [(k, {**kw, "temperature": 0}) for k, kw in reqs])
     assert all(expected) and all(got)
     mismatches = [(i, reqs[i][1].get("prompt") or reqs[i][1].get("extra_body") or reqs[i][1].get("response_format"),
                    e, g) for i, (e, g) in enumerate(zip(expected, got)) if e != g]
     assert not mismatches, mismatches
-    assert plugin.metrics()["constrained_rows"] > 0  # the constrained half really went through the plugin's mask
+    # the constrained half really went through the plugin's mask
+    assert plugin.metrics()["constrained_rows"] > before["constrained_rows"]

@@ -16,8 +16,8 @@ MSG = [{"role": "user", "content": "Give me the answer."}]
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    return start_server("plugin")
+def server(plugin_server):
+    return plugin_server
 
 
 def chat(client, **kwargs):
@@ -29,7 +29,8 @@ def chat(client, **kwargs):
 
 def test_head_program_serves_every_step(server):
     before = server.metrics()
-    assert before["compilations"] == len(before["buckets"]) and before["compilations_after_warmup"] == 0
+    # a sampling and a logprobs program per bucket, all built at start
+    assert before["compilations"] == 2 * len(before["buckets"]) and before["compilations_after_warmup"] == 0
     choice = chat(server.client(), max_tokens=8)
     after = server.metrics()
     assert after["steps"] >= before["steps"] + 1 and after["rows"] >= before["rows"] + 8 - 1
@@ -173,7 +174,7 @@ def test_no_recompilation_under_mixed_load(server):
     _check_mixed(requests, results)
     after = server.metrics()
     assert after["compilations_after_warmup"] == 0, after
-    assert after["compilations"] == before["compilations"] == len(after["buckets"])
+    assert after["compilations"] == before["compilations"] == 2 * len(after["buckets"])
     assert after["steps"] > before["steps"] + 40
     assert after["constrained_rows"] > before["constrained_rows"] and after["sampled_rows"] > before["sampled_rows"]
     used = [b for b, n in after["calls_per_bucket"].items() if n > before["calls_per_bucket"][b]]
@@ -181,9 +182,10 @@ def test_no_recompilation_under_mixed_load(server):
 
 
 @pytest.mark.parametrize("kwargs, parameter", [
-    (dict(logprobs=True, top_logprobs=2), "logprobs"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
     (dict(temperature=1.0, extra_body={"top_k": 1000}), "top_k"),  # greedy would drop top_k
     (dict(extra_body={"allowed_token_ids": [5, 6]}), "allowed_token_ids"),
+    (dict(extra_body={"min_tokens": 2, "stop_token_ids": list(range(100, 113))}), "stop_token_ids"),
 ])
 def test_unservable_request_rejected_alone(server, kwargs, parameter):
     client = server.client()
@@ -197,7 +199,16 @@ def test_unservable_request_rejected_alone(server, kwargs, parameter):
 
 
 def test_grammar_never_rejected_a_token(server):
-    """vLLM re-checks every sampled token against the grammar: with the plugin's mask
-    it never reports a failed FSM advance (the negative control shows it does without)."""
-    assert "Failed to advance FSM" not in server.log()
-    assert "grammar rejected tokens" not in server.log()
+    """vLLM re-checks every sampled token against the grammar: with the plugin's mask it never
+    reports a failed FSM advance (the negative control shows it does without). The test sends
+    its own constrained traffic, greedy and sampled, and reads only the log those requests wrote."""
+    before = server.metrics()
+    offset = len(server.log())
+    requests = _mixed_requests(28)
+    results = asyncio.run(_run_all(server, requests))
+    _check_mixed(requests, results)
+    after = server.metrics()
+    assert after["constrained_rows"] - before["constrained_rows"] >= 50  # the grammars really ran through the mask
+    assert after["sampled_rows"] > before["sampled_rows"]
+    log = server.log_since(offset)
+    assert "Failed to advance FSM" not in log and "grammar rejected tokens" not in log
