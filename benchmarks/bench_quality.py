@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="OUT.png")
     parser.add_argument("--tasks", default=str(TASKS))
     parser.add_argument("--limit", type=int, default=None, help="the first N tasks only")
+    parser.add_argument("--sample", type=int, default=None, help="N tasks spread over the set (every k-th)")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--speed-tasks", type=int, default=16, help="tasks in the tokens/s comparison (0: skip it)")
@@ -287,6 +288,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     data = json.loads(pathlib.Path(args.tasks).read_text())
     tasks, tools = data["tasks"][: args.limit], data["tools"]
+    if args.sample:
+        tasks = tasks[:: max(1, len(tasks) // args.sample)][: args.sample]
     loaded = M.load_model(args.model)
     prompts = [M.prompt_ids(loaded, prompt_text(t), tools=tools if t["kind"] == "tool" else None) for t in tasks]
     start = time.perf_counter()
@@ -297,11 +300,20 @@ def main(argv=None) -> int:
     if args.modes != "all":
         wanted = {m.strip() for m in args.modes.split(",")}
         modes = [m for m in modes if (m[0] is None and "none" in wanted) or f"{m[0]}:{m[1]}" in wanted]
+    report = {"model": args.model, "tasks": len(tasks), "max_tokens": args.max_tokens, "batch": args.batch,
+              "threads": torch.get_num_threads(), "default_whitespace": S.json_schema({}).whitespace}
+    if args.speed_tasks:  # first: the one number that needs both batch sizes
+        start = time.perf_counter()
+        decoders = {1: M.export(loaded, max_batch=1, max_len=1024), 8: decoder if args.batch == 8 else
+                    M.export(loaded, max_batch=8, max_len=1024)}
+        print(f"speed: batch-1 decoder exported in {time.perf_counter() - start:.1f} s", flush=True)
+        n = args.speed_tasks
+        report["speed"] = speed(loaded, decoders, tasks[:n], tools, prompts[:n], args.max_tokens)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     runtimes = {e: S.StructuredRuntime.for_model(decoder, loaded.tokenizer, max_rows=args.batch, engine=e) for e in ENGINES}
     rows, summary = [], {}
-    report = {"model": args.model, "tasks": len(tasks), "max_tokens": args.max_tokens, "batch": args.batch,
-              "threads": torch.get_num_threads(), "default_whitespace": S.json_schema({}).whitespace,
-              "totals": summary, "rows": rows}
+    report.update(totals=summary, rows=rows)
     try:
         for engine, whitespace in modes:
             mode_rows, wall = run_mode(decoder, loaded, tasks, tools, prompts, engine, whitespace, args.max_tokens, runtimes)
@@ -312,13 +324,6 @@ def main(argv=None) -> int:
     finally:
         for runtime in runtimes.values():
             runtime.close()
-    if args.speed_tasks:
-        start = time.perf_counter()
-        decoders = {1: M.export(loaded, max_batch=1, max_len=1024), 8: decoder if args.batch == 8 else
-                    M.export(loaded, max_batch=8, max_len=1024)}
-        print(f"speed: batch-1 decoder exported in {time.perf_counter() - start:.1f} s", flush=True)
-        n = args.speed_tasks
-        report["speed"] = speed(loaded, decoders, tasks[:n], tools, prompts[:n], args.max_tokens)
     print(f"\n{'mode':22s} {'compiled':>8s} {'valid':>6s} {'fence':>6s} {'accuracy':>8s} {'exact':>6s} {'tokens':>7s} {'tok/s':>6s}")
     for name, t in summary.items():
         print(f"{name:22s} {t['compiled']:8d} {t['valid']:6.3f} {t['valid_fence']:6.3f} {t['accuracy']:8.3f} "
