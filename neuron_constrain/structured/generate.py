@@ -46,6 +46,9 @@ class Generation:
     unenforced: list[str] = dataclasses.field(default_factory=list)  # "keyword at #/path" not enforced (opt-in)
     violation: str | None = None  # with unenforced keywords: the finished output's schema violation, if any
     seconds: float | None = None  # from its first model step (the prefill) to its last; None if never scheduled
+    forward_passes: int = 0  # model steps it took part in (its prefill included)
+    forced_tokens: int = 0  # tokens its grammar forced, accepted as drafts of a verify step (jump-forward)
+    forced_seconds: float = 0.0  # host time finding its forced runs
 
 
 @dataclasses.dataclass
@@ -84,6 +87,8 @@ class _Calls:
         self.fill: list[float] = []
         self.started: dict[int, float] = {}
         self.ended: dict[int, float] = {}
+        self.passes = [0] * len(sequences)
+        self.forced = [0] * len(sequences)
 
     def fail_unready(self, waiting: list[int]) -> tuple[list[int], set]:
         """Record the compile errors among ``waiting``; return the rest and the ready ids."""
@@ -103,20 +108,70 @@ class _Calls:
         tokens, flags = run({} if mask is None else {"logit_mask": mask})
         self.accept(indices, batch, tokens, flags.get("logit_mask"), began)
 
+    def verify(self, indices: list[int], decoder: CachedDecoder, mode: str, max_new_tokens: int) -> None:
+        """One step in which each row also takes the tokens its grammar forces (jump-forward):
+        ``k + 1`` positions a row (the smallest verify program that holds the longest run),
+        forced positions masked to their one token, so none is rejected, and the token
+        sampled after each run is the step's new token. A run that ends its request (a
+        forced stop token) needs no model output: when every row's does, nothing runs."""
+        runtime, sizes = self.runtime, sorted(decoder.steps)
+        batch = [self.ids[i] for i in indices]
+        began = time.perf_counter()
+        limits = {self.ids[i]: min(sizes[-1] - 1, max_new_tokens - len(self.generated[i]) - 1) for i in indices}
+        runs = [runtime.forced_runs(batch, limits, mode=mode).get(r, []) for r in batch]
+        ends = [bool(run) and run[-1] in runtime.stop_token_ids for run in runs]
+        taken, flagged = [list(run) for run in runs], [False] * len(batch)
+        if not all(ends):
+            width = min(n for n in sizes if n > max(map(len, runs)))
+            mask = runtime.step(batch, dict(zip(batch, runs)), forced=True, rows_per_request=width)
+            tokens = torch.full((len(indices), width), decoder.pad_id, dtype=torch.long)
+            for row, (index, run) in enumerate(zip(indices, runs)):
+                tokens[row, : len(run) + 1] = torch.tensor([self.sequences[index][-1], *run])
+            positions = [len(self.sequences[i]) - 1 for i in indices]  # the last token is not in the cache yet
+            if mask is not None and width > 1:  # [B, k + 1, W]: one grammar row per position
+                mask = mask.view(len(indices), width, -1)
+            out, flags = decoder.run_step(tokens, positions, **({} if mask is None else {"logit_mask": mask}))
+            out = out.view(len(indices), width).tolist()
+            empty = flags.get("logit_mask")
+            for row, (request_id, run) in enumerate(zip(batch, runs)):
+                if out[row][: len(run)] != run:  # a forced position sampled another token: the mask was not applied
+                    raise RuntimeError(f"the verify program returned {out[row][: len(run)]} where the grammar forced "
+                                       f"{run} (request {request_id!r}): its logit_mask input was not applied")
+                if not ends[row]:
+                    taken[row].append(out[row][len(run)])
+                flagged[row] = empty is not None and bool(empty.view(len(indices), width)[row, : len(taken[row])].any())
+        step_host, step_fill = runtime.last_step_seconds, runtime.last_fill_seconds
+        tick = time.perf_counter()
+        accepted = runtime.accept_runs(batch, taken, empty=flagged)
+        self.host.append(step_host + time.perf_counter() - tick)
+        self.fill.append(step_fill)
+        used = [i for i, end in zip(indices, ends) if not end]  # the rows that read the model's output
+        self.record(indices, batch, taken, accepted, began, used=used)
+        for index, request_id, run in zip(indices, batch, runs):
+            if request_id not in accepted.failed:
+                self.forced[index] += len(run)
+
     def accept(self, indices, batch, tokens, empty, began: float) -> None:
         runtime = self.runtime
-        for index in indices:
-            self.started.setdefault(index, began)
         step_host, step_fill = runtime.last_step_seconds, runtime.last_fill_seconds
         accepted = runtime.accept_rows(batch, tokens, empty=empty)
         self.host.append(step_host + runtime.last_accept_seconds)
         self.fill.append(step_fill + runtime.last_accept_engine_seconds)
-        for index, request_id, token in zip(indices, batch, tokens.tolist()):
+        self.record(indices, batch, [[t] for t in tokens.tolist()], accepted, began)
+
+    def record(self, indices, batch, taken, accepted, began: float, used=None) -> None:
+        """What a step gave each of its requests: its tokens, or its failure; ``used``: the
+        requests that read the model's output (default: all), whose forward passes count."""
+        for index in indices:
+            self.started.setdefault(index, began)
+        for index in indices if used is None else used:
+            self.passes[index] += 1
+        for index, request_id, tokens in zip(indices, batch, taken):
             if request_id in accepted.failed:
                 self.errors[index] = str(accepted.failed[request_id])
             else:
-                self.generated[index].append(token)
-                self.sequences[index].append(token)
+                self.generated[index].extend(tokens)
+                self.sequences[index].extend(tokens)
         self.stopped.update(self.index[r] for r in accepted.finished)
         now = time.perf_counter()
         for index in indices:
@@ -154,10 +209,11 @@ def _recompute_loop(transformed: Transformed, calls: _Calls, max_new_tokens: int
             step.close()
 
 
-def _cached_loop(decoder: CachedDecoder, calls: _Calls, max_new_tokens: int) -> None:
+def _cached_loop(decoder: CachedDecoder, calls: _Calls, max_new_tokens: int, jump_forward: str | None) -> None:
     """Prefill each request once into a free cache row, then one-token steps of every
-    row; a request whose grammar is still compiling joins when it is ready (a row is
-    free), a finished one leaves its row (the rows after it move down)."""
+    row (with ``jump_forward``: verify steps that also take each row's forced run); a
+    request whose grammar is still compiling joins when it is ready (a row is free), a
+    finished one leaves its row (the rows after it move down)."""
     runtime, sequences = calls.runtime, calls.sequences
     rows: list[int] = []  # the request in each cache row, in row order
     pending = list(range(len(sequences))) if max_new_tokens > 0 else []
@@ -186,9 +242,12 @@ def _cached_loop(decoder: CachedDecoder, calls: _Calls, max_new_tokens: int) -> 
             if pending:
                 runtime.wait([calls.ids[i] for i in pending])
             continue
-        last = torch.tensor([[sequences[i][-1]] for i in rows], dtype=torch.long)
-        positions = [len(sequences[i]) - 1 for i in rows]  # the last token is not in the cache yet
-        calls.step(list(rows), lambda mask: decoder.run_step(last, positions, **mask))
+        if jump_forward is not None and len(decoder.steps) > 1:
+            calls.verify(list(rows), decoder, jump_forward, max_new_tokens)
+        else:
+            last = torch.tensor([[sequences[i][-1]] for i in rows], dtype=torch.long)
+            positions = [len(sequences[i]) - 1 for i in rows]  # the last token is not in the cache yet
+            calls.step(list(rows), lambda mask: decoder.run_step(last, positions, **mask))
         retire()
 
 
@@ -203,6 +262,7 @@ def generate(
     compile_timeout: float | None = None,
     engine: str = "auto",
     pipelined: bool = False,
+    jump_forward: str | None = None,
 ) -> GenerateResult:
     """Greedy decoding of a batch with per-request constraints.
 
@@ -229,6 +289,12 @@ def generate(
     finished output is validated against the schema (``Generation.violation``).
     ``pipelined``: fill each step's masks while the model's body runs (the graph cut at
     the mask, ``neuron_constrain.pipeline``; uncached steps only); the same tokens as the serial loop.
+    ``jump_forward``: ``"exact"`` or ``"canonical"`` (see ``structured/jump_forward.py``): the
+    tokens each grammar forces are decoded as drafts of a verify step (a decoder exported
+    with ``new_tokens=(1, 2, 4, 8)``: up to 7 a step), in the same forward pass as the
+    token after them, so a structured request takes fewer passes than it has tokens;
+    ``"exact"`` gives exactly the tokens of step-by-step decoding. ``Generation``
+    counts ``forward_passes``, ``forced_tokens`` and ``forced_seconds``.
     """
     if len(prompts) != len(constraints):
         raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints; pass one constraint (or None) per prompt")
@@ -236,13 +302,17 @@ def generate(
     if cached and pipelined:
         raise ValueError("pipelined=True cuts an uncached step at its mask; a CachedDecoder's steps run serially: "
                          "drop pipelined=, or pass a Transformed step")
+    if jump_forward is not None and not (cached and len(model.steps) > 1):
+        raise ValueError(f"jump_forward={jump_forward!r} decodes forced tokens through a verify program: pass a "
+                         "CachedDecoder exported with new_tokens=(1, 2, 4, 8) (export_decoder / models.export)")
     owned = runtime is None
+    rows = (model.max_batch * (max(model.steps) if jump_forward else 1)) if cached else max(1, len(prompts))
     if owned:
-        rows = model.max_batch if cached else max(1, len(prompts))
         runtime = StructuredRuntime.for_model(model, tokenizer, max_rows=rows, engine=engine)
-    elif cached and runtime.max_rows < model.max_batch:
+    elif cached and runtime.max_rows < rows:
         raise ValueError(f"the runtime has {runtime.max_rows} rows but the decoder runs up to {model.max_batch} "
-                         f"requests at once; build it with max_rows={model.max_batch}")
+                         f"requests at once{' of ' + str(max(model.steps)) + ' rows each' if jump_forward else ''}; "
+                         f"build it with max_rows={rows}")
     sequences = [list(tokenizer.encode(p)) if isinstance(p, (str, bytes)) else [int(t) for t in p] for p in prompts]
     calls = _Calls(runtime, sequences)
     added = []
@@ -251,10 +321,11 @@ def generate(
             runtime.add(request_id, constraint, timeout=compile_timeout)
             added.append(request_id)
         if cached:
-            _cached_loop(model, calls, max_new_tokens)
+            _cached_loop(model, calls, max_new_tokens, jump_forward)
         else:
             _recompute_loop(model, calls, max_new_tokens, pipelined, tokenizer.eos_id)
         unenforced = {i: runtime.unenforced(calls.ids[i]) for i in range(len(prompts)) if i not in calls.errors}
+        forced_seconds = [runtime.forced_seconds(request_id) for request_id in calls.ids]
     finally:
         for request_id in added:
             runtime.remove(request_id)
@@ -269,6 +340,8 @@ def generate(
         generation = Generation(index, prompt, tokens, text, reason, calls.errors.get(index))
         if index in calls.started:
             generation.seconds = calls.ended[index] - calls.started[index]
+        generation.forward_passes, generation.forced_tokens = calls.passes[index], calls.forced[index]
+        generation.forced_seconds = forced_seconds[index]
         if unenforced.get(index):  # accepted unenforced keywords: validate, never return it as if valid
             generation.unenforced = [u.describe() for u in unenforced[index]]
             if reason == "stop":

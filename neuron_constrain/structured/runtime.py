@@ -392,12 +392,16 @@ class StructuredRuntime:
         return Accepted(finished, self.requests.unreported(batch))
 
     # -------------------------------------------------------------- jump-forward (jump_forward.py)
-    def forced_runs(self, batch: Sequence[Hashable], limit: int | Mapping[Hashable, int]) -> dict[Hashable, list[int]]:
-        """The tokens each live constrained request's grammar forces next, in this runtime's
-        ``jump_forward`` mode, at most ``limit`` (or ``limit[request]``) each; grammars are
-        left where they are. Decode them as forced drafts: ``step(batch, runs, forced=True)``,
+    def forced_runs(self, batch: Sequence[Hashable], limit: int | Mapping[Hashable, int], *,
+                    mode: str | None = None) -> dict[Hashable, list[int]]:
+        """The tokens each live constrained request's grammar forces next, in ``mode`` (default:
+        this runtime's ``jump_forward``), at most ``limit`` (or ``limit[request]``) each; grammars
+        are left where they are. Decode them as forced drafts: ``step(batch, runs, forced=True)``,
         then ``accept_runs``. The host time is counted per request (``forced_seconds``)."""
-        if self.jump_forward is None:
+        mode = self.jump_forward if mode is None else mode
+        if mode not in (None, *MODES):
+            raise ValueError(f"jump_forward={mode!r}: pass None, {' or '.join(map(repr, MODES))}")
+        if mode is None:
             return {}
         runs = {}
         for request_id in batch:
@@ -407,7 +411,7 @@ class StructuredRuntime:
                 continue
             start = time.perf_counter()
             try:
-                run = (exact_run(state.matcher, cap, self._scratch) if self.jump_forward == "exact"
+                run = (exact_run(state.matcher, cap, self._scratch) if mode == "exact"
                        else canonical_run(self.engine, state.matcher, cap))
             except Exception as error:  # noqa: BLE001 - that request's own failure
                 self.requests.fail(request_id, state, GrammarFillError(

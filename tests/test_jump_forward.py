@@ -1,0 +1,143 @@
+"""Jump-forward through the verify programs: forced tokens decoded as drafts that cannot be
+rejected, on the tiny KV-cached decoder (the real model: tests/test_models_smollm2.py,
+benchmarks/bench_jump_forward.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from neuron_constrain import models
+from neuron_constrain.structured import StructuredRuntime, choice, ebnf, generate, json_schema, regex, validate_output
+from neuron_constrain.structured.engines import ENGINES
+
+BUCKETS = (1, 2, 4, 8)
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                      "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+     "required": ["color", "tags"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                "required": ["id"]}, "minItems": 1, "maxItems": 2},
+    {"enum": ["alpha", "beta", "gamma"]},
+]
+OTHERS = [regex(r"ab[0-9]{2}cd"), regex(r"(yes|no)-[a-c]{1,3}"), choice(["alpha", "alphabet", "beta"]),
+          ebnf('root ::= "(" [0-9] ("," [0-9])? ")"'), None]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = models.load_model("tiny")
+    return loaded, models.export(loaded, max_batch=4, max_len=256, new_tokens=BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def runtimes(tiny):
+    loaded, decoder = tiny
+    made = {e: StructuredRuntime.for_model(decoder, loaded.tokenizer, max_rows=4 * max(BUCKETS), engine=e) for e in ENGINES}
+    yield made
+    for runtime in made.values():
+        runtime.close()
+
+
+def _constraint(data, index):
+    kind = data.draw(st.integers(0, len(SCHEMAS) + len(OTHERS) - 1), label=f"constraint {index}")
+    return json_schema(SCHEMAS[kind]) if kind < len(SCHEMAS) else OTHERS[kind - len(SCHEMAS)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_exact_jump_forward_is_token_identical_to_step_by_step(tiny, runtimes, data):
+    """Over grammars (JSON schemas, regex, choice, EBNF, none) x batch 1 / 4 x both engines:
+    the same tokens, finish reasons and texts, in fewer forward passes wherever something was forced."""
+    loaded, decoder = tiny
+    engine = data.draw(st.sampled_from(ENGINES), label="engine")
+    batch = data.draw(st.sampled_from([1, 4]), label="batch")
+    constraints = [_constraint(data, i) for i in range(batch)]
+    prompts = [data.draw(st.text("abcdefgh {}", min_size=1, max_size=6), label=f"prompt {i}") for i in range(batch)]
+    limit = data.draw(st.integers(3, 40), label="max_new_tokens")
+    runtime = runtimes[engine]
+    step = generate(decoder, prompts, constraints, limit, tokenizer=loaded.tokenizer, runtime=runtime)
+    fast = generate(decoder, prompts, constraints, limit, tokenizer=loaded.tokenizer, runtime=runtime, jump_forward="exact")
+    for constraint, a, b in zip(constraints, step.outputs, fast.outputs):
+        assert (b.tokens, b.finish_reason, b.text) == (a.tokens, a.finish_reason, a.text), (engine, constraint)
+        assert len(b.tokens) <= limit  # a run never crosses the token limit
+        assert b.forward_passes == a.forward_passes - b.forced_tokens  # each forced token saved one pass
+        if constraint is None:
+            assert b.forced_tokens == 0
+        if b.finish_reason == "stop" and constraint is not None:
+            assert validate_output(constraint, b.text) is None
+    assert sum(o.forced_tokens for o in fast.outputs) >= 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_canonical_outputs_are_grammar_and_schema_valid(tiny, runtimes, engine):
+    loaded, decoder = tiny
+    constraints = [json_schema(s) for s in SCHEMAS] + [c for c in OTHERS if c is not None]
+    result = generate(decoder, ["q"] * len(constraints), constraints, 60, tokenizer=loaded.tokenizer,
+                      runtime=runtimes[engine], jump_forward="canonical")
+    forced = 0
+    for constraint, out in zip(constraints, result.outputs):
+        assert out.finish_reason == "stop", (engine, constraint.describe(), out.text)
+        assert validate_output(constraint, out.text) is None, (engine, constraint.describe(), out.text)
+        assert out.forward_passes == len(out.tokens) - out.forced_tokens
+        forced += out.forced_tokens
+    assert forced > 0
+
+
+@pytest.mark.parametrize("mode", ["exact", "canonical"])
+def test_runs_stop_at_the_token_limit_and_a_forced_end_finishes(tiny, runtimes, mode):
+    loaded, decoder = tiny
+    tok = loaded.tokenizer
+    schema = json_schema({"type": "object", "properties": {"abcdefghij": {"type": "boolean"}}, "required": ["abcdefghij"]})
+    for limit in (1, 2, 3, 5):  # the run plus the token after it never pass the limit
+        out = generate(decoder, ["x"], [schema], limit, tokenizer=tok, runtime=runtimes["llguidance"], jump_forward=mode)
+        assert len(out.outputs[0].tokens) == limit and out.outputs[0].finish_reason == "length"
+    out = generate(decoder, ["x"], [choice(["x"])], 10, tokenizer=tok, runtime=runtimes["xgrammar"], jump_forward="exact")
+    only = out.outputs[0]
+    # "x" then the stop token, both forced: "x" comes out of the prefill; the forced stop ends the
+    # request and needs no model output, so no second pass runs
+    assert (only.text, only.finish_reason, only.tokens[-1]) == ("x", "stop", tok.eos_id)
+    assert only.forward_passes == 1 and only.forced_tokens == 1
+
+
+def test_verify_programs_see_only_bucketed_shapes(tiny, runtimes):
+    """After one warm-up call, a second generate feeds no program a shape it was not fed
+    before: on an AOT backend (one compilation per shape) nothing recompiles."""
+    loaded, decoder = tiny
+    seen = set()
+    originals = {n: program.run for n, program in decoder.steps.items()}
+
+    def recording(n):
+        def run(tokens, position_ids, attention_mask, **extra):
+            seen.add((n, tuple(tokens.shape), tuple(attention_mask.shape),
+                      tuple(extra["logit_mask"].shape) if "logit_mask" in extra else None))
+            return originals[n](tokens, position_ids, attention_mask, **extra)
+        return run
+
+    constraints = [json_schema(SCHEMAS[0]), regex(r"ab[0-9]{2}cd"), None, json_schema(SCHEMAS[1])]
+    try:
+        for n in decoder.steps:
+            decoder.steps[n].run = recording(n)
+        generate(decoder, ["a", "b", "c", "d"], constraints, 30, tokenizer=loaded.tokenizer,
+                 runtime=runtimes["llguidance"], jump_forward="exact")
+        warm = set(seen)
+        generate(decoder, ["a", "b", "c", "d"], constraints, 30, tokenizer=loaded.tokenizer,
+                 runtime=runtimes["llguidance"], jump_forward="exact")
+    finally:
+        for n in decoder.steps:
+            del decoder.steps[n].run
+    assert seen == warm, seen - warm
+    assert {n for n, *_ in seen} - {1} and all(shape[1] in BUCKETS for _, shape, _, _ in seen)
+    assert all(window % decoder.window_bucket == 0 or window == decoder.max_len for _, _, (_, window), _ in seen)
+
+
+def test_jump_forward_needs_verify_programs(tiny):
+    loaded, _ = tiny
+    single = models.export(loaded, max_batch=1, max_len=64)
+    with pytest.raises(ValueError, match="new_tokens=\\(1, 2, 4, 8\\)"):
+        generate(single, ["a"], [None], 4, tokenizer=loaded.tokenizer, jump_forward="exact")
+    assert torch.is_tensor(single.cache[0])
