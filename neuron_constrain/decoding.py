@@ -130,6 +130,17 @@ class _Program(torch.nn.Module):
         self.windows = _windows(model.config)
         self.dtype = next(model.parameters()).dtype
 
+    def _pick(self, hidden: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Tensor | None) -> torch.Tensor:
+        """Greedy, or with ``noise`` (Exponential(1), the logits' shape) and a per-row
+        ``temperature [B]`` the exponential race ``argmax(softmax(logits / T) / noise)``: a
+        sample from ``softmax(logits / T)``, the same token for the same noise whatever
+        the batch. The mask pass masks the logits before the temperature."""
+        logits = self.model.get_output_embeddings()(hidden)
+        if noise is None:
+            return logits.argmax(-1)
+        scale = temperature.reshape(temperature.shape[0], *([1] * (logits.dim() - 1)))
+        return (torch.softmax(logits.float() / scale, -1) / noise).argmax(-1)
+
     def _hidden(self, input_ids, position_ids, mask, writes) -> torch.Tensor:
         return self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=writes, use_cache=True
@@ -137,23 +148,26 @@ class _Program(torch.nn.Module):
 
 
 class PrefillStep(_Program):
-    """``(input_ids [B, T], rows [B], last [B]) -> token [B]``: greedy at ``last[b]``; the
-    lm_head runs on those B hidden rows only."""
+    """``(input_ids [B, T], rows [B], last [B][, noise [B, V], temperature [B]]) -> token [B]``:
+    greedy (or sampled) at ``last[b]``; the lm_head runs on those B hidden rows only."""
 
-    def forward(self, input_ids: torch.Tensor, rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, rows: torch.Tensor, last: torch.Tensor,
+                noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device)
         writes = _Writes(self.cache, rows, positions[None, :].expand(batch, -1), window=None)
         mask = _masks(self.windows, positions[None, :, None], positions[None, None, :], None, self.dtype)
         hidden = self._hidden(input_ids, positions[None, :], mask, writes)
         hidden = hidden[torch.arange(batch, device=hidden.device), last]
-        return self.model.get_output_embeddings()(hidden).argmax(-1)
+        return self._pick(hidden, noise, temperature)
 
 
 class CachedStep(_Program):
-    """``(input_ids [B, n], position_ids [B, n], attention_mask [B, W]) -> token [B]`` (n = 1) or ``[B, n]``."""
+    """``(input_ids [B, n], position_ids [B, n], attention_mask [B, W][, noise [B(, n), V],
+    temperature [B]]) -> token [B]`` (n = 1) or ``[B, n]``."""
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
         batch, window = input_ids.shape[0], attention_mask.shape[1]
         rows = torch.arange(batch, device=input_ids.device)
         writes = _Writes(self.cache, rows, position_ids, window=window)
@@ -162,7 +176,7 @@ class CachedStep(_Program):
         hidden = self._hidden(input_ids, position_ids, mask, writes)
         if hidden.shape[1] == 1:
             hidden = hidden[:, 0]
-        return self.model.get_output_embeddings()(hidden).argmax(-1)
+        return self._pick(hidden, noise, temperature)
 
 
 GROUPED_SDPA = "neuron_constrain_grouped_sdpa"
@@ -234,6 +248,8 @@ class CachedDecoder:
     pad_id: int = 0
     length_bucket: int = 8
     window_bucket: int = 64
+    sampled: bool = False  # the programs take noise and temperature (export_decoder(sampled=True))
+    logits_width: int = 0  # the lm_head's columns (the noise's last dimension)
 
     @property
     def step(self):
@@ -300,14 +316,16 @@ def _share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
 
 
 def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_tokens: int | Sequence[int] = 1,
-                   strict: bool = False, pad_id: int = 0, **transform_options) -> CachedDecoder:
+                   strict: bool = False, pad_id: int = 0, sampled: bool = False, **transform_options) -> CachedDecoder:
     """Export ``model``'s prefill and step programs over one static cache and run the passes.
 
     ``new_tokens``: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode
     plus verify steps for 1, 3 and 7 drafts); one export each. ``vocab_size``: the
     tokenizer's (the mask width); ``transform_options`` go to
     :func:`neuron_constrain.transform` (e.g. ``logit_mask=None``). ``pad_id``: the token
-    right-padding a prompt (never attended by real tokens).
+    right-padding a prompt (never attended by real tokens). ``sampled``: every program also
+    takes ``noise`` (Exponential(1), the logits' shape) and ``temperature [B]`` and samples
+    by the exponential race instead of the argmax (``generate(..., temperature=)``).
     """
     from torch.export import Dim
 
@@ -323,20 +341,30 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC  # one row: a static batch
     example = min(2, max_batch)
     options = dict(vocab_size=vocab_size, strict=strict, **transform_options)
+    width = model.get_output_embeddings().weight.shape[0]
+
+    def sampling(*shape):  # the noise and temperature example inputs and their dynamic batch dim
+        if not sampled:
+            return (), ()
+        return (torch.ones(*shape, width), torch.ones(shape[0])), ({0: batch}, {0: batch})
+
+    args, dims = sampling(example)
     prefill = transform(
         PrefillStep(model, cache),
-        (torch.zeros(example, 8, dtype=torch.long), torch.arange(example), torch.zeros(example, dtype=torch.long)),
-        dynamic_shapes=({0: batch, 1: Dim("length", min=1, max=max_len)}, {0: batch}, {0: batch}), **options,
+        (torch.zeros(example, 8, dtype=torch.long), torch.arange(example), torch.zeros(example, dtype=torch.long), *args),
+        dynamic_shapes=({0: batch, 1: Dim("length", min=1, max=max_len)}, {0: batch}, {0: batch}, *dims), **options,
     )
     steps = {}
     window = Dim("window", min=1, max=max_len)
     with _attention(model, GROUPED_SDPA):
         for n in sizes:
             ids = torch.zeros(example, n, dtype=torch.long)
+            args, dims = sampling(example, n) if n > 1 else sampling(example)
             steps[n] = transform(
                 CachedStep(model, cache),
-                (ids, ids + torch.arange(n), torch.ones(example, min(max(16, n), max_len), dtype=torch.bool)),
-                dynamic_shapes=({0: batch}, {0: batch}, {0: batch, 1: window}), **options,
+                (ids, ids + torch.arange(n), torch.ones(example, min(max(16, n), max_len), dtype=torch.bool), *args),
+                dynamic_shapes=({0: batch}, {0: batch}, {0: batch, 1: window}, *dims), **options,
             )
     tensors = _share_cache([prefill, *steps.values()])
-    return CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id)
+    return CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
+                         sampled=sampled, logits_width=width)

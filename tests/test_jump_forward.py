@@ -35,6 +35,12 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def sampled(tiny):
+    loaded, _ = tiny
+    return models.export(loaded, max_batch=4, max_len=256, new_tokens=BUCKETS, sampled=True)
+
+
+@pytest.fixture(scope="module")
 def runtimes(tiny):
     loaded, decoder = tiny
     made = {e: StructuredRuntime.for_model(decoder, loaded.tokenizer, max_rows=4 * max(BUCKETS), engine=e) for e in ENGINES}
@@ -50,18 +56,23 @@ def _constraint(data, index):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_property_exact_jump_forward_is_token_identical_to_step_by_step(tiny, runtimes, data):
-    """Over grammars (JSON schemas, regex, choice, EBNF, none) x batch 1 / 4 x both engines:
-    the same tokens, finish reasons and texts, in fewer forward passes wherever something was forced."""
+def test_property_exact_jump_forward_is_token_identical_to_step_by_step(tiny, sampled, runtimes, data):
+    """Over grammars (JSON schemas, regex, choice, EBNF, none) x greedy / sampled x batch 1 / 4 x
+    both engines: the same tokens, finish reasons and texts, in fewer forward passes wherever
+    something was forced (a one-token mask leaves a sampler nothing to choose)."""
     loaded, decoder = tiny
+    temperature = data.draw(st.sampled_from([None, 0.8, 1.5]), label="temperature")
+    sampling = {} if temperature is None else {"temperature": temperature, "seed": data.draw(st.integers(0, 9))}
+    decoder = decoder if temperature is None else sampled
     engine = data.draw(st.sampled_from(ENGINES), label="engine")
     batch = data.draw(st.sampled_from([1, 4]), label="batch")
     constraints = [_constraint(data, i) for i in range(batch)]
     prompts = [data.draw(st.text("abcdefgh {}", min_size=1, max_size=6), label=f"prompt {i}") for i in range(batch)]
     limit = data.draw(st.integers(3, 40), label="max_new_tokens")
     runtime = runtimes[engine]
-    step = generate(decoder, prompts, constraints, limit, tokenizer=loaded.tokenizer, runtime=runtime)
-    fast = generate(decoder, prompts, constraints, limit, tokenizer=loaded.tokenizer, runtime=runtime, jump_forward="exact")
+    step = generate(decoder, prompts, constraints, limit, tokenizer=loaded.tokenizer, runtime=runtime, **sampling)
+    fast = generate(decoder, prompts, constraints, limit, tokenizer=loaded.tokenizer, runtime=runtime, jump_forward="exact",
+                    **sampling)
     for constraint, a, b in zip(constraints, step.outputs, fast.outputs):
         assert (b.tokens, b.finish_reason, b.text) == (a.tokens, a.finish_reason, a.text), (engine, constraint)
         assert len(b.tokens) <= limit  # a run never crosses the token limit
@@ -70,7 +81,20 @@ def test_property_exact_jump_forward_is_token_identical_to_step_by_step(tiny, ru
             assert b.forced_tokens == 0
         if b.finish_reason == "stop" and constraint is not None:
             assert validate_output(constraint, b.text) is None
-    assert sum(o.forced_tokens for o in fast.outputs) >= 0
+
+
+def test_sampling_depends_on_the_seed_and_not_on_the_batch(tiny, sampled, runtimes):
+    loaded, _ = tiny
+    prompts, constraints = ["a", "b"], [None, json_schema(SCHEMAS[0])]
+    runs = [generate(sampled, prompts, constraints, 12, tokenizer=loaded.tokenizer, runtime=runtimes["xgrammar"],
+                     temperature=1.0, seed=seed).outputs for seed in (1, 1, 2)]
+    assert [o.tokens for o in runs[0]] == [o.tokens for o in runs[1]]
+    assert runs[0][0].tokens != runs[2][0].tokens  # another seed, another sample (free text: 732 tokens)
+    alone = generate(sampled, prompts[:1], constraints[:1], 12, tokenizer=loaded.tokenizer,
+                     runtime=runtimes["xgrammar"], temperature=1.0, seed=1).outputs[0]
+    assert alone.tokens == runs[0][0].tokens
+    greedy = generate(sampled, prompts, constraints, 12, tokenizer=loaded.tokenizer, runtime=runtimes["xgrammar"])
+    assert all(validate_output(c, o.text) is None for c, o in zip(constraints[1:], greedy.outputs[1:]) if o.finish_reason == "stop")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

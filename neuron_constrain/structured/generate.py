@@ -74,8 +74,10 @@ class _Calls:
     (prompt + generated), generated tokens, errors and stops; and ``step``, one model
     step of some of them (mask, run, accept) shared by both loops."""
 
-    def __init__(self, runtime: StructuredRuntime, sequences: list[list[int]]):
+    def __init__(self, runtime: StructuredRuntime, sequences: list[list[int]], temperature: float | None = None,
+                 seed: int = 0):
         call = next(_CALLS)
+        self.temperature, self.seed = temperature, seed
         self.runtime = runtime
         self.ids = [("generate", call, index) for index in range(len(sequences))]  # unique in a shared runtime
         self.index = {request_id: index for index, request_id in enumerate(self.ids)}
@@ -130,7 +132,8 @@ class _Calls:
             positions = [len(self.sequences[i]) - 1 for i in indices]  # the last token is not in the cache yet
             if mask is not None and width > 1:  # [B, k + 1, W]: one grammar row per position
                 mask = mask.view(len(indices), width, -1)
-            out, flags = decoder.run_step(tokens, positions, **({} if mask is None else {"logit_mask": mask}))
+            out, flags = decoder.run_step(tokens, positions, **({} if mask is None else {"logit_mask": mask}),
+                                          **self.sampling(indices, width, decoder))
             out = out.view(len(indices), width).tolist()
             empty = flags.get("logit_mask")
             for row, (request_id, run) in enumerate(zip(batch, runs)):
@@ -176,6 +179,27 @@ class _Calls:
         now = time.perf_counter()
         for index in indices:
             self.ended[index] = now
+
+    def sampling(self, indices: list[int], width: int, decoder: CachedDecoder) -> dict:
+        """``noise`` and ``temperature`` for a sampled decoder: the noise of request ``i``'s
+        output token ``j`` is drawn from a generator seeded by ``(seed, i, j)``, so a token is
+        the same whichever step (or verify position) samples it."""
+        if not decoder.sampled:
+            return {}
+        if self.temperature is None:  # greedy on a sampled decoder: noise 1 makes the race an argmax
+            shape = (len(indices), decoder.logits_width) if width == 1 else (len(indices), width, decoder.logits_width)
+            return {"noise": torch.ones(shape), "temperature": torch.ones(len(indices))}
+        rows = []
+        for index in indices:
+            first = len(self.generated[index])
+            rows.append(torch.stack([
+                torch.empty(decoder.logits_width).exponential_(
+                    generator=torch.Generator().manual_seed(hash((self.seed, index, first + t)) & 0x7FFFFFFF))
+                for t in range(width)
+            ]))
+        noise = torch.stack(rows)
+        return {"noise": noise[:, 0] if width == 1 else noise,
+                "temperature": torch.full((len(indices),), float(self.temperature))}
 
     def done(self, index: int, max_new_tokens: int) -> bool:
         return index in self.errors or index in self.stopped or len(self.generated[index]) >= max_new_tokens
@@ -236,7 +260,8 @@ def _cached_loop(decoder: CachedDecoder, calls: _Calls, max_new_tokens: int, jum
             start = len(rows)
             rows += joining
             calls.step(joining, lambda mask: decoder.run_prefill(
-                [sequences[i] for i in joining], range(start, start + len(joining)), **mask))
+                [sequences[i] for i in joining], range(start, start + len(joining)), **mask,
+                **calls.sampling(joining, 1, decoder)))
         retire()
         if not rows:
             if pending:
@@ -247,7 +272,7 @@ def _cached_loop(decoder: CachedDecoder, calls: _Calls, max_new_tokens: int, jum
         else:
             last = torch.tensor([[sequences[i][-1]] for i in rows], dtype=torch.long)
             positions = [len(sequences[i]) - 1 for i in rows]  # the last token is not in the cache yet
-            calls.step(list(rows), lambda mask: decoder.run_step(last, positions, **mask))
+            calls.step(list(rows), lambda mask: decoder.run_step(last, positions, **mask, **calls.sampling(rows, 1, decoder)))
         retire()
 
 
@@ -263,8 +288,10 @@ def generate(
     engine: str = "auto",
     pipelined: bool = False,
     jump_forward: str | None = None,
+    temperature: float | None = None,
+    seed: int = 0,
 ) -> GenerateResult:
-    """Greedy decoding of a batch with per-request constraints.
+    """Greedy (or sampled: ``temperature``) decoding of a batch with per-request constraints.
 
     ``model``: a :class:`~neuron_constrain.decoding.CachedDecoder` (KV cache:
     ``export_decoder`` or ``neuron_constrain.models``): each request is prefilled once
@@ -295,6 +322,9 @@ def generate(
     token after them, so a structured request takes fewer passes than it has tokens;
     ``"exact"`` gives exactly the tokens of step-by-step decoding. ``Generation``
     counts ``forward_passes``, ``forced_tokens`` and ``forced_seconds``.
+    ``temperature``: sample instead of the greedy argmax (a decoder exported with
+    ``sampled=True``); ``seed`` fixes the noise per request and output position, so the
+    same call gives the same tokens, with or without jump-forward.
     """
     if len(prompts) != len(constraints):
         raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints; pass one constraint (or None) per prompt")
@@ -302,6 +332,9 @@ def generate(
     if cached and pipelined:
         raise ValueError("pipelined=True cuts an uncached step at its mask; a CachedDecoder's steps run serially: "
                          "drop pipelined=, or pass a Transformed step")
+    if temperature is not None and not (cached and model.sampled and temperature > 0):
+        raise ValueError(f"temperature={temperature!r} samples through programs that take noise: pass a positive "
+                         "temperature and a CachedDecoder exported with sampled=True (export_decoder / models.export)")
     if jump_forward is not None and not (cached and len(model.steps) > 1):
         raise ValueError(f"jump_forward={jump_forward!r} decodes forced tokens through a verify program: pass a "
                          "CachedDecoder exported with new_tokens=(1, 2, 4, 8) (export_decoder / models.export)")
@@ -314,7 +347,7 @@ def generate(
                          f"requests at once{' of ' + str(max(model.steps)) + ' rows each' if jump_forward else ''}; "
                          f"build it with max_rows={rows}")
     sequences = [list(tokenizer.encode(p)) if isinstance(p, (str, bytes)) else [int(t) for t in p] for p in prompts]
-    calls = _Calls(runtime, sequences)
+    calls = _Calls(runtime, sequences, temperature, seed)
     added = []
     try:
         for request_id, constraint in zip(calls.ids, constraints):
