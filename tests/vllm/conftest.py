@@ -1,7 +1,9 @@
 """vLLM lane: OpenAI servers started and stopped by the tests on 127.0.0.1.
 
 Collected only by ``make test-vllm`` (the other lanes pass ``--ignore=tests/vllm``).
-One server per test module (module-scoped fixtures); every wait is bounded.
+A stock and a plugin server on the tiny model with default flags are shared by the session
+(``stock_server``, ``plugin_server``); a module that needs other flags starts its own
+(``start_server``, stopped after the module). Every wait is bounded.
 """
 from __future__ import annotations
 
