@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 
 import torch
 import torch.nn.functional as F
+
+from neuron_constrain.kernels import packed_width
 
 __all__ = ["SamplingHead", "LogprobHead", "HeadPrograms", "HeadInputs", "PROCESSORS", "buckets_for", "NO_TOKEN"]
 
@@ -247,7 +248,7 @@ class HeadPrograms:
             processors[info.name] = torch.full(info.shape_for({}), info.fill, dtype=info.dtype)
         self.inputs[b] = HeadInputs(
             *self._example(b), processors=processors,
-            logit_mask=torch.full((b, math.ceil(self.vocab_size / 32)), -1, dtype=torch.int32),
+            logit_mask=torch.full((b, packed_width(self.vocab_size)), -1, dtype=torch.int32),
         )
         log.info("neuron_constrain: built the head program(s) for bucket %d in %.2fs (compilations=%d)",
                  b, seconds, self.compilations)

@@ -39,18 +39,15 @@ seeded row), and the counters file is written by a thread, not by the step.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import threading
 import time
 
 import numpy as np
 import torch
 
 from neuron_constrain.vllm import (
-    ALL_ALLOWED_ENV, MAX_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_K, METRICS_ENV, VALIDATOR, check_vllm_version,
+    ALL_ALLOWED_ENV, MAX_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_K, METRICS_ENV, check_vllm_version,
 )
 
 check_vllm_version()
@@ -59,236 +56,41 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
+from neuron_constrain.vllm.batch_layout import BatchLayout, RequestConsts, spread  # noqa: E402
+from neuron_constrain.vllm.config import (  # noqa: E402
+    ConfigError, no_custom_logits_processors_with_speculation, check_config, model_eos_ids,
+)
+from neuron_constrain.vllm.counters import CountersFile  # noqa: E402
 from neuron_constrain.vllm.head import NO_TOKEN, TOP_P_OFF, HeadPrograms, buckets_for  # noqa: E402
+from neuron_constrain.vllm.lm_head import tensor_parallel_rank, find_lm_head, gather_vocab_shards, time_all_gathers  # noqa: E402
 
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
 _SAMPLING_EPS = 1e-5  # vLLM's: temperature below it is greedy
-_METRICS_PERIOD_S = 0.05  # the counters file trails the last step by about this much
-MAX_LOGPROBS_PROGRAM = 1024  # --max-logprobs above this (or -1, the whole vocabulary) is refused at start
 
 
-class ConfigError(ValueError):
-    """A configuration the plugin refuses at start."""
 
 
-def check_config(vllm_config) -> None:
-    """Refuse, at start, what the head cannot serve (raised before any request)."""
-    spec = vllm_config.speculative_config
-    if spec is not None:
-        if spec.method != "ngram":
-            raise ConfigError(
-                f"neuron_constrain's vLLM plugin verifies drafts from draft-free proposers (method 'ngram'), whose "
-                f"draft probability is 1; --speculative-config method {spec.method!r} proposes with draft "
-                "probabilities the head's rejection rule does not read: use method 'ngram'"
-            )
-        if getattr(spec, "rejection_sample_method", "standard") != "standard":
-            raise ConfigError(
-                f"--speculative-config rejection_sample_method {spec.rejection_sample_method!r}: the plugin's head "
-                "verifies drafts by vLLM's standard rule only; remove the option"
-            )
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "neuron_constrain's vLLM plugin samples on every tensor-parallel rank of one stage: use "
-            f"--pipeline-parallel-size 1 (got {parallel.pipeline_parallel_size})"
-        )
-    if vllm_config.use_v2_model_runner:
-        raise ConfigError("neuron_constrain's vLLM plugin subclasses the V1 CPU model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
-    model = vllm_config.model_config
-    procs = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}" for p in (model.logits_processors or [])]
-    if VALIDATOR not in procs:
-        raise ConfigError(
-            f"start the server with --logits-processors {VALIDATOR}: it rejects, per request and before the "
-            "engine sees it, the sampling parameters the plugin's head cannot do (otherwise such a request "
-            "would fail inside the worker and stop the engine for every request)"
-        )
-    if model.logprobs_mode not in ("raw_logprobs",):
-        raise ConfigError(
-            f"--logprobs-mode {model.logprobs_mode}: the plugin computes vLLM's default raw_logprobs (the logprobs "
-            "of the grammar-masked logits, before any processor) in its logprobs program; leave the default"
-        )
-    max_logprobs = getattr(model, "max_logprobs", 20)
-    if max_logprobs < 0 or max_logprobs > MAX_LOGPROBS_PROGRAM:
-        raise ConfigError(
-            f"--max-logprobs {max_logprobs}: the plugin's logprobs program returns a fixed number of top "
-            f"logprobs per row; use 0..{MAX_LOGPROBS_PROGRAM} (the OpenAI API allows 20)"
-        )
 
 
-def find_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The lm_head weight (and bias) of a vLLM ``*ForCausalLM``, or a clear error."""
-    head = getattr(model, "lm_head", None)
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:
-        raise ConfigError(
-            f"neuron_constrain's vLLM plugin found no lm_head weight on {type(model).__name__} "
-            "(it reads model.lm_head.weight, a [vocab, hidden] matrix): this model is not supported"
-        )
-    processor = getattr(model, "logits_processor", None)
-    scale = getattr(processor, "scale", 1.0)
-    soft_cap = getattr(processor, "soft_cap", None)
-    if scale != 1.0 or soft_cap is not None:
-        raise ConfigError(
-            f"{type(model).__name__} scales (scale={scale}) or soft-caps (soft_cap={soft_cap}) its logits; "
-            "the plugin's head does not (yet): this model is not supported"
-        )
-    bias = getattr(head, "bias", None)
-    return weight, bias if isinstance(bias, torch.Tensor) else None
 
 
-def gather_vocab_shards(weight: torch.Tensor, bias: torch.Tensor | None, tp_size: int):
-    """The full lm_head from this rank's vocab-parallel shard (all ranks' shards concatenated, once at load)."""
-    if tp_size == 1:
-        return weight, bias
-    from vllm.distributed import tensor_model_parallel_all_gather
-
-    weight = tensor_model_parallel_all_gather(weight.detach().contiguous(), dim=0)
-    if bias is not None:
-        bias = tensor_model_parallel_all_gather(bias.detach().contiguous(), dim=0)
-    return weight, bias
 
 
-def _tensor_parallel_rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    try:
-        return get_tensor_model_parallel_rank()
-    except AssertionError:  # no distributed group (a runner built outside a worker)
-        return 0
 
 
-def time_all_gathers(rows: int, vocab: int, candidates: int, repeats: int = 30) -> dict[str, float]:
-    """Milliseconds per vLLM tensor-parallel all-gather, measured once at start: of what a
-    vocab-parallel head would gather per step (each rank's ``candidates`` values and ids per
-    row) against the whole logits (each rank's ``vocab / tp`` columns). Reported in the
-    counters; the README's choice of strategy rests on them."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-
-    tp = get_tensor_model_parallel_world_size()
-    shapes = {"candidates": (rows, 2 * candidates), "logits": (rows, -(-vocab // tp))}
-    out = {}
-    for name, shape in shapes.items():
-        x = torch.zeros(shape)
-        tensor_model_parallel_all_gather(x, dim=-1)  # first call sets buffers up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            tensor_model_parallel_all_gather(x, dim=-1)
-        out[name] = 1e3 * (time.perf_counter() - start) / repeats
-    return out
 
 
-def model_eos_ids(model_config) -> set[int]:
-    """Every id vLLM's frontend may add to a request's stop ids for this model: the config's and the
-    generation config's ``eos_token_id`` (an int or a list) and the tokenizer's EOS."""
-    ids: set[int] = set()
-
-    def add(value):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple, set)):
-            ids.update(int(v) for v in value)
-
-    add(getattr(model_config.hf_config, "eos_token_id", None))
-    try:
-        add((model_config.try_get_generation_config() or {}).get("eos_token_id"))
-    except Exception as e:  # a model folder without a readable generation config
-        log.info("neuron_constrain: no generation config read (%s); EOS ids from the model config only", e)
-    if not getattr(model_config, "skip_tokenizer_init", False):
-        try:
-            from vllm.tokenizers import cached_tokenizer_from_config
-
-            add(cached_tokenizer_from_config(model_config).eos_token_id)
-        except Exception as e:
-            log.info("neuron_constrain: tokenizer not loaded in the worker (%s); EOS ids from the configs", e)
-    return ids
 
 
-class CountersFile:
-    """The runner's counters as JSON at ``path``, rewritten (atomically) by a writer thread.
-
-    ``notify()`` is all a step does: the thread wakes, waits ``period`` seconds (so a
-    burst of steps costs one write) and writes ``snapshot()``. A failed write (the file's
-    folder gone, a value JSON cannot encode, a bug in ``snapshot``) is logged with its
-    type and the thread keeps serving later writes: the counters never take the engine down.
-    """
-
-    def __init__(self, path: str, snapshot, *, period: float = _METRICS_PERIOD_S):
-        self.path = path
-        self.snapshot = snapshot
-        self.period = period
-        self.failures = 0
-        self._event = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def write(self) -> None:
-        data = self.snapshot()
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.path)
-
-    def notify(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="nc-metrics", daemon=True)
-            self._thread.start()
-        self._event.set()
-
-    def _loop(self) -> None:
-        while True:
-            self._event.wait()
-            time.sleep(self.period)
-            self._event.clear()
-            try:
-                self.write()
-            except Exception as e:  # noqa: BLE001 - logged; the next step's write tries again
-                self.failures += 1
-                log.warning("neuron_constrain: could not write the counters file %s (%s: %s)",
-                            self.path, type(e).__name__, e)
 
 
-class _Layout:
-    """Where each head row comes from, this step: request ``req[r]``, draft position ``pos[r]``.
-
-    Without drafts row ``r`` is request ``r``. With drafts request ``i`` owns rows
-    ``start[i] .. start[i] + num_draft[i]`` (vLLM's logits order); ``draft[r]`` is the
-    draft token row ``r`` verifies (-1 on a bonus row).
-    """
-
-    __slots__ = ("rows", "requests", "req", "pos", "start", "num_draft", "draft", "drafts_of")
-
-    def __init__(self, requests: int, spec_decode_metadata=None):
-        self.requests = requests
-        if spec_decode_metadata is None:
-            self.rows = requests
-            self.req = np.arange(requests)
-            self.pos = np.zeros(requests, dtype=np.int64)
-            self.start = self.req
-            self.num_draft = np.zeros(requests, dtype=np.int64)
-            self.draft = None
-            self.drafts_of = None
-            return
-        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
-        per_request = 1 + num_draft
-        self.start = np.concatenate([[0], np.cumsum(per_request)[:-1]])
-        self.rows = int(per_request.sum())
-        self.req = np.repeat(np.arange(requests), per_request)
-        self.pos = np.arange(self.rows) - self.start[self.req]
-        self.num_draft = num_draft
-        flat = spec_decode_metadata.draft_token_ids.cpu().numpy().astype(np.int64)
-        draft = np.full(self.rows, NO_TOKEN, dtype=np.int64)
-        is_draft = self.pos < num_draft[self.req]
-        # the flat draft index of row r (request i, position j < d_i) is r - i
-        draft[is_draft] = flat[np.flatnonzero(is_draft) - self.req[is_draft]]
-        self.draft = draft
-        cu = np.concatenate([[0], np.cumsum(num_draft)])
-        self.drafts_of = [flat[cu[i]:cu[i + 1]] for i in range(requests)]
 
 
 class NeuronConstrainModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device):
         check_config(vllm_config)
-        with _no_custom_logits_processors_with_speculation(vllm_config):
+        with no_custom_logits_processors_with_speculation(vllm_config):
             super().__init__(vllm_config, device)
         self._nc_capture = False
         self._nc_grammar = None
@@ -299,11 +101,11 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0, "draft_rows": 0,
                           "drafts_accepted": 0, "logprob_steps": 0, "fill_seconds": 0.0, "head_seconds": 0.0,
                           "logprob_seconds": 0.0}
-        self._nc_consts: dict[str, _RequestConsts] = {}
+        self._nc_consts: dict[str, RequestConsts] = {}
         self._nc_views: dict[int, dict[str, np.ndarray]] = {}
         self._nc_dirty: dict[int, set[str]] = {}  # per bucket: sparse processor inputs not neutral now
         path = os.environ.get(METRICS_ENV) or None
-        self._nc_rank = _tensor_parallel_rank()
+        self._nc_rank = tensor_parallel_rank()
         if path and self._nc_rank:  # with tensor parallelism each rank writes its own file
             path = f"{path}.rank{self._nc_rank}"
         self._nc_counters = CountersFile(path, self._counters) if path else None
@@ -381,7 +183,7 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self.input_batch.update_async_output_token_ids()
         hidden = logits
         start = time.perf_counter()
-        layout = _Layout(self.input_batch.num_reqs, spec_decode_metadata)
+        layout = BatchLayout(self.input_batch.num_reqs, spec_decode_metadata)
         rows = layout.rows
         assert hidden.shape[0] == rows, (hidden.shape, rows)
         bucket = self.head.bucket(rows)
@@ -417,7 +219,7 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             stats["draft_rows"] += int(is_draft.sum())
             stats["drafts_accepted"] += int((tokens.numpy()[is_draft] == layout.draft[is_draft]).sum())
             if logprobs is not None:
-                logprobs = _spread(logprobs, layout, width)
+                logprobs = spread(logprobs, layout, width)
         self._notify_counters()
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
@@ -446,7 +248,7 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             self._nc_dirty[bucket] = {"min_tokens", "logit_bias", "min_p", "penalties"}  # reset on first use
         return views
 
-    def _fill_mask(self, mask: np.ndarray, layout: _Layout) -> None:
+    def _fill_mask(self, mask: np.ndarray, layout: BatchLayout) -> None:
         """The scheduler's compact bitmask (``1 + d_i`` rows per structured request, in its own
         order) into head rows: request ``i``'s position ``j`` is row ``start[i] + j``."""
         mask[:] = -1
@@ -469,18 +271,18 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             mask[batch_rows] = grammar_output.grammar_bitmask[compact]
             self._nc_stats["constrained_rows"] += len(batch_rows)
 
-    def _request_consts(self, req_id: str) -> _RequestConsts:
+    def _request_consts(self, req_id: str) -> RequestConsts:
         """Per-request constants of the head's inputs, computed once per request."""
         params = self.requests[req_id].sampling_params
         consts = self._nc_consts.get(req_id)
         if consts is None or consts.params is not params:
             if len(self._nc_consts) > 4 * self.scheduler_config.max_num_seqs + 16:
                 self._nc_consts = {k: v for k, v in self._nc_consts.items() if k in self.requests}
-            consts = self._nc_consts[req_id] = _RequestConsts(
+            consts = self._nc_consts[req_id] = RequestConsts(
                 params, self.requests[req_id].prompt_token_ids, self._nc_stop_width, req_id)
         return consts
 
-    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], layout: _Layout) -> None:
+    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], layout: BatchLayout) -> None:
         batch = self.input_batch
         rows, req, pos = layout.rows, layout.req, layout.pos
         n = layout.requests
@@ -638,60 +440,10 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         }
 
 
-def _spread(logprobs: LogprobsTensors, layout: _Layout, width: int) -> LogprobsTensors:
-    """Head rows' logprobs into vLLM's speculative layout: ``requests x width`` rows (request-major)."""
-    at = torch.from_numpy(layout.req * width + layout.pos)
-    total = layout.requests * width
-    ids = torch.zeros(total, logprobs.logprob_token_ids.shape[1], dtype=logprobs.logprob_token_ids.dtype)
-    values = torch.zeros(total, logprobs.logprobs.shape[1], dtype=logprobs.logprobs.dtype)
-    ranks = torch.zeros(total, dtype=logprobs.selected_token_ranks.dtype)
-    ids[at], values[at], ranks[at] = logprobs.logprob_token_ids, logprobs.logprobs, logprobs.selected_token_ranks
-    return LogprobsTensors(ids, values, ranks)
 
 
-class _RequestConsts:
-    """What the head's per-request inputs need from a request's ``SamplingParams`` (fixed per request).
-
-    ``stop_width`` is the program's stop-id width, sized from the model (the validator's
-    limit on a request's own stop ids plus the model's EOS ids): every stop id fits.
-    """
-
-    __slots__ = ("params", "min_tokens", "stops", "bias_ids", "bias_values", "min_p", "prompt_unique")
-
-    def __init__(self, params, prompt_token_ids, stop_width: int, req_id: str = "?"):
-        self.params = params
-        self.min_tokens = int(params.min_tokens or 0)
-        self.stops = None
-        if self.min_tokens:
-            stops = sorted(params.all_stop_token_ids)
-            if len(stops) > stop_width:  # the validator and the sizing make this unreachable; never silent
-                log.error("neuron_constrain: request %s has %d stop ids with min_tokens, more than the program's "
-                          "%d: min_tokens masks only the first %d", req_id, len(stops), stop_width, stop_width)
-                stops = stops[:stop_width]
-            self.stops = np.asarray(stops, dtype=np.int64)
-        self.bias_ids = self.bias_values = None
-        if params.logit_bias:
-            items = list(params.logit_bias.items())[:MAX_BIAS_TOKENS]
-            self.bias_ids = np.asarray([int(t) for t, _ in items], dtype=np.int64)
-            self.bias_values = np.asarray([float(v) for _, v in items], dtype=np.float32)
-        self.min_p = float(params.min_p or 0.0)
-        self.prompt_unique = np.unique(np.asarray(prompt_token_ids or [], dtype=np.int64))
 
 
-@contextlib.contextmanager
-def _no_custom_logits_processors_with_speculation(vllm_config):
-    """vLLM's model runner refuses custom logits processors with speculative decoding (its
-    rejection sampler would skip them). The plugin's only one is the frontend's validator,
-    whose ``validate_params`` the API server process runs from its own config; the worker
-    builds its runner without it (its sampler and rejection sampler are never called)."""
-    model = vllm_config.model_config
-    saved = model.logits_processors
-    if vllm_config.speculative_config is not None:
-        model.logits_processors = None
-    try:
-        yield
-    finally:
-        model.logits_processors = saved
 
 
 class NeuronConstrainWorker(CPUWorker):
@@ -699,6 +451,6 @@ class NeuronConstrainWorker(CPUWorker):
 
     def init_device(self):
         check_config(self.vllm_config)
-        with _no_custom_logits_processors_with_speculation(self.vllm_config):
+        with no_custom_logits_processors_with_speculation(self.vllm_config):
             super().init_device()
         self.model_runner = NeuronConstrainModelRunner(self.vllm_config, torch.device("cpu"))

@@ -31,7 +31,7 @@ def _config(**over):
 
 
 def test_check_config():
-    from neuron_constrain.vllm.worker import ConfigError, check_config
+    from neuron_constrain.vllm.config import ConfigError, check_config
 
     check_config(_config())
     # served now: ngram speculation, tensor parallelism
@@ -55,7 +55,8 @@ def test_check_config():
 
 
 def test_lm_head_not_found():
-    from neuron_constrain.vllm.worker import ConfigError, find_lm_head
+    from neuron_constrain.vllm.config import ConfigError
+    from neuron_constrain.vllm.lm_head import find_lm_head
 
     class NoHead(torch.nn.Module):
         pass
@@ -101,7 +102,8 @@ def test_every_stop_id_reaches_the_program_with_many_eos_ids():
     program's stop-id input is sized from the model, so min_tokens masks all 18 (none cut)."""
     from vllm import SamplingParams
 
-    from neuron_constrain.vllm.worker import _RequestConsts, model_eos_ids
+    from neuron_constrain.vllm.batch_layout import RequestConsts
+    from neuron_constrain.vllm.config import model_eos_ids
 
     eos = [2, 3, 4, 5, 6, 7]
     model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(eos_token_id=2), skip_tokenizer_init=True,
@@ -110,7 +112,7 @@ def test_every_stop_id_reaches_the_program_with_many_eos_ids():
     params = SamplingParams(min_tokens=5, stop_token_ids=list(range(1000, 1000 + ncv.MAX_STOP_TOKEN_IDS)))
     params.update_from_generation_config({"eos_token_id": eos}, eos_token_id=2)  # what vLLM's frontend does
     assert len(params.all_stop_token_ids) == ncv.MAX_STOP_TOKEN_IDS + len(eos)
-    consts = _RequestConsts(params, [1, 5], ncv.MAX_STOP_TOKEN_IDS + len(model_eos_ids(model_config)))
+    consts = RequestConsts(params, [1, 5], ncv.MAX_STOP_TOKEN_IDS + len(model_eos_ids(model_config)))
     assert sorted(consts.stops.tolist()) == sorted(params.all_stop_token_ids)
 
 
@@ -121,7 +123,7 @@ def test_counters_thread_survives_any_write_error(tmp_path, caplog):
     import logging
     import time
 
-    from neuron_constrain.vllm.worker import CountersFile
+    from neuron_constrain.vllm.counters import CountersFile
 
     snapshots = iter([{"bad": object()}, {"steps": 2}])
     path = tmp_path / "counters.json"
