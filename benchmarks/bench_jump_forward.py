@@ -1,7 +1,7 @@
 """Jump-forward on real schemas: forward passes and wall time with and without it.
 
     python benchmarks/bench_jump_forward.py --data ../shared/data/maskbench-dev --engine llguidance \
-        --mode canonical [--model real|tiny] [--limit N] [--max-tokens 192] --json OUT
+        --mode canonical [--model real|tiny] [--limit N | --sample N] [--max-tokens 192] --json OUT
 
 Per MaskBench file (``{"schema": ..., "tests": [...]}``): the model (SmolLM2-135M-Instruct,
 ``--model real``; or the tiny random decoder) is asked for one JSON instance of the schema
@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", default="canonical", choices=("exact", "canonical"))
     parser.add_argument("--model", default="real", choices=("real", "tiny"))
     parser.add_argument("--limit", type=int, help="first N files only")
+    parser.add_argument("--sample", type=int, help="N files spread over the set (every k-th, sorted by name)")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--compile-timeout", type=float, default=30.0)
     parser.add_argument("--json", help="write the records and totals here")
@@ -51,9 +52,12 @@ def main(argv=None) -> int:
 
     from neuron_constrain import models
     from neuron_constrain.structured import StructuredRuntime, generate, json_schema, validate_output
+    from timing import write_results
 
     torch.manual_seed(0)
     files = sorted(pathlib.Path(args.data).glob("*.json"))[: args.limit]
+    if args.sample:
+        files = files[:: max(1, len(files) // args.sample)][: args.sample]
     if not files:
         raise SystemExit(f"no .json files in {args.data}")
     loaded = models.load_model("smollm2" if args.model == "real" else "tiny")
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
                 output_tokens=len(fast.tokens), output_tokens_without=len(plain.tokens),
                 forward_passes=fast.forward_passes, forward_passes_without=plain.forward_passes,
                 forced_tokens=fast.forced_tokens, forced_seconds=fast.forced_seconds,
-                finish_reason=fast.finish_reason,
+                finish_reason=fast.finish_reason, finish_reason_without=plain.finish_reason,
                 valid=fast.finish_reason == "stop" and validate_output(constraint, fast.text) is None,
                 valid_without=plain.finish_reason == "stop" and validate_output(constraint, plain.text) is None,
                 identical=(fast.tokens == plain.tokens) if args.mode == "exact" else None,
@@ -100,10 +104,7 @@ def main(argv=None) -> int:
     totals.update(engine=args.engine, mode=args.mode, model=args.model, max_tokens=args.max_tokens)
     print(json.dumps(totals, indent=1))
     if args.json:
-        out = pathlib.Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"files": records, "totals": totals}, indent=1))
-        print(f"wrote {out}")
+        write_results({"files": records, "totals": totals}, args.json)
     return 0
 
 
@@ -124,9 +125,12 @@ def summarize(records: list[dict]) -> dict:
         "forced_seconds": sum(r["forced_seconds"] for r in ran),
         "valid": sum(r["valid"] for r in ran), "valid_without": sum(r["valid_without"] for r in ran),
         "finished": sum(r["finish_reason"] == "stop" for r in ran),
+        "finished_without": sum(r.get("finish_reason_without") == "stop" for r in ran),
         "identical": sum(identical) if identical else None, "identical_of": len(identical) if identical else None,
         "seconds": seconds, "seconds_without": seconds_without,
         "seconds_ratio": seconds / seconds_without if seconds_without else None,
+        "seconds_per_token_ratio": (seconds / tokens) / (seconds_without / tokens_without)
+        if tokens and tokens_without and seconds_without else None,
     }
 
 

@@ -39,6 +39,7 @@ from neuron_constrain.structured import engines as E
 from neuron_constrain.structured import keywords as K
 from neuron_constrain.structured.constraints import ConstraintError, json_schema
 from neuron_constrain.testing import force
+from timing import write_results
 
 
 def load_tokenizer(name: str):
@@ -118,7 +119,7 @@ def evaluate(engine, tokenizer, path: pathlib.Path, policy: str) -> dict:
     buffer = torch.zeros((1, engine.width), dtype=torch.int32)
     start = time.perf_counter()
     try:
-        compiled = engine.compile(json_schema(data["schema"], strict=False, unenforced=policy))
+        compiled = engine.compile(json_schema(data["schema"], strict=False, whitespace="none", unenforced=policy))
     except ConstraintError as error:
         record["error"] = str(error)[:300]
         item = getattr(error, "unenforced", None)
@@ -127,7 +128,7 @@ def evaluate(engine, tokenizer, path: pathlib.Path, policy: str) -> dict:
             return record
         record["status"] = "refused"
         try:  # what the refusal prevented: the same schema, accepted
-            compiled = engine.compile(json_schema(data["schema"], strict=False, unenforced="allow"))
+            compiled = engine.compile(json_schema(data["schema"], strict=False, whitespace="none", unenforced="allow"))
         except ConstraintError as second:
             record["unenforced"] = [item.describe()]
             record["error"] += f" | allowed: {str(second)[:200]}"
@@ -280,10 +281,7 @@ def main(argv=None) -> int:
                    wall_s=time.perf_counter() - wall)
     print(json.dumps(summary, indent=1))
     if args.json:
-        out = pathlib.Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"files": records, "totals": summary}, indent=1))
-        print(f"wrote {out}")
+        write_results({"files": records, "totals": summary}, args.json)
     return 0
 
 

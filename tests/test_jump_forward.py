@@ -165,3 +165,32 @@ def test_jump_forward_needs_verify_programs(tiny):
     with pytest.raises(ValueError, match="new_tokens=\\(1, 2, 4, 8\\)"):
         generate(single, ["a"], [None], 4, tokenizer=loaded.tokenizer, jump_forward="exact")
     assert torch.is_tensor(single.cache[0])
+
+
+def test_bench_jump_forward_writes_the_issue_schema(tmp_path):
+    """benchmarks/bench_jump_forward.py end to end on the tiny decoder and 3 vendored MaskBench
+    files: every field the JSON promises, forced tokens counted, and passes = tokens - forced."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("BFCL_simple_9.json", "Handwritten---pp3.json", "Github_easy---o9953.json"):
+        (data / name).write_text((root / "tests" / "data" / "maskbench" / name).read_text())
+    out = tmp_path / "jf.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "bench_jump_forward.py"), "--data", str(data), "--model",
+                    "tiny", "--mode", "exact", "--engine", "xgrammar", "--max-tokens", "24", "--json", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads(out.read_text())
+    fields = {"file", "status", "output_tokens", "forward_passes", "forward_passes_without", "forced_tokens", "valid",
+              "identical", "seconds", "seconds_without"}
+    compiled = [r for r in result["files"] if r["status"] == "compiled"]
+    assert compiled and all(fields <= set(r) for r in compiled)
+    for record in compiled:
+        assert record["identical"] is True  # exact mode: the same tokens as step by step
+        assert record["forward_passes"] == record["forward_passes_without"] - record["forced_tokens"]
+    totals = result["totals"]
+    assert totals["compiled"] == len(compiled) and totals["identical"] == len(compiled) and totals["forced_tokens"] > 0

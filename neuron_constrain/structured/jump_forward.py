@@ -1,7 +1,7 @@
 """Tokens a grammar forces, found on the host, to be decoded as drafts the verify step cannot reject.
 
     run = exact_run(matcher, limit=7, scratch=buffer)     # while the mask allows exactly one token
-    run = canonical_run(engine, matcher, limit=7)         # the forced text, tokenized canonically
+    run = canonical_run(engine, matcher, limit=7, scratch=buffer)   # the forced text, tokenized canonically
 
 Two modes (``StructuredRuntime(jump_forward=...)``):
 
@@ -13,9 +13,10 @@ Two modes (``StructuredRuntime(jump_forward=...)``):
   beside others (the grammar *may* end) is not forced.
 * ``"canonical"``: the engine's forced text (xgrammar's jump-forward string, llguidance's
   fast-forward tokens) tokenized canonically, without its last token, which may merge
-  with what follows (``GrammarEngine.forced_tokens``). Longer runs (the text of a whole
-  key is forced even where a tokenizer has several ways to spell it), always
-  grammar-valid, but not always the tokens step-by-step decoding would pick.
+  with what follows (``GrammarEngine.forced_tokens``), then the exact run from there.
+  Longer runs (the text of a whole key is forced even where a tokenizer has several ways
+  to spell it), always grammar-valid, but not always the tokens step-by-step decoding
+  would pick.
 
 The verify step's rows for a run allow exactly the run's tokens (``MaskBuffer.fill_forced``),
 so every draft is accepted and the token sampled after the run is the step's new token.
@@ -57,6 +58,21 @@ def exact_run(matcher, limit: int, scratch: torch.Tensor) -> list[int]:
     return run
 
 
-def canonical_run(engine, matcher, limit: int) -> list[int]:
-    """The engine's forced text, tokenized canonically (state unchanged), up to ``limit`` tokens."""
-    return engine.forced_tokens(matcher)[:limit] if limit > 0 else []
+def canonical_run(engine, matcher, limit: int, scratch: torch.Tensor) -> list[int]:
+    """The engine's forced text, tokenized canonically, then the exact run from there (each
+    position whose mask allows one token), up to ``limit`` tokens; the matcher's state is
+    unchanged. The exact tail takes back what the held-back last token may not merge with."""
+    if limit <= 0:
+        return []
+    run: list[int] = []
+    try:
+        for token in engine.forced_tokens(matcher)[:limit]:
+            if not matcher.accept_token(token):
+                break
+            run.append(token)
+        if len(run) < limit and not matcher.is_terminated():
+            return run + exact_run(matcher, limit - len(run), scratch)
+        return run
+    finally:
+        if run:
+            matcher.rollback(len(run))

@@ -412,7 +412,7 @@ class StructuredRuntime:
             start = time.perf_counter()
             try:
                 run = (exact_run(state.matcher, cap, self._scratch) if mode == "exact"
-                       else canonical_run(self.engine, state.matcher, cap))
+                       else canonical_run(self.engine, state.matcher, cap, self._scratch))
             except Exception as error:  # noqa: BLE001 - that request's own failure
                 self.requests.fail(request_id, state, GrammarFillError(
                     f"request {request_id!r}: finding its forced tokens failed ({engine_message(error)})", request_id))
