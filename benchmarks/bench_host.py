@@ -45,6 +45,7 @@ import time
 import torch
 
 from neuron_constrain import structured as S
+from neuron_constrain.kernels import packed_width
 from neuron_constrain.structured import engines as E
 from grammar_states import SCHEMAS, load_schemas, tekken
 
@@ -199,7 +200,7 @@ def main() -> int:
         pass
     setup = time.perf_counter() - start
     vocab = tok.vocab_size
-    width = (vocab + 31) // 32
+    width = packed_width(vocab)
     bytes_packed, bytes_seeds = 4 * width, vocab
     print(f"Tekken V={vocab} ({os.cpu_count()} cores): tokenizer + {len(schemas)} grammars in {setup:.1f}s "
           f"({', '.join(name for name, _, _ in schemas)}); "

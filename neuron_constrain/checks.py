@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.fx
@@ -21,7 +20,7 @@ from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_
 from neuron_constrain.passes.tap_modules_pass import INPUT_PREFIX as TAP_PREFIX
 from neuron_constrain.passes.tap_modules_pass import RANK_INPUT as TAP_RANK_INPUT
 from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
-from neuron_constrain.kernels import pack_bool_mask
+from neuron_constrain.kernels import pack_bool_mask, packed_width
 from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
 
 __all__ = ["CheckError", "Site", "check_program", "check_taps", "depends_on", "find_sites", "mask_inputs"]
@@ -182,7 +181,7 @@ def _check_mask_width(name: str, mask, width: int, vocab_size: int | None, shard
     columns = val.shape[-1]
     if val.dtype == torch.int32:
         vocab = vocab_size if vocab_size is not None else width
-        want = math.ceil(vocab / 32)
+        want = packed_width(vocab)
         ok = columns == want if vocab_size is not None else 0 < columns and (sharded or columns <= want)
         if not ok:
             return [
