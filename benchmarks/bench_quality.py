@@ -57,7 +57,7 @@ def constraint_for(task: dict, tools: list, whitespace: str | None) -> S.Constra
     if whitespace is None:
         return None
     if task["kind"] == "tool":  # the tool-call format fixes its own whitespace (bounded: 2 a gap)
-        return S.tool_constraint(tools, "required", format=TOOL_FORMAT)
+        return S.tool_constraint(tools, "required", format=TOOL_FORMAT, parallel_tool_calls=False)
     return S.json_schema(task["schema"], whitespace=whitespace)
 
 
@@ -114,7 +114,7 @@ def field_scores(expected, got, ordered: bool = True, path: str = "") -> dict[st
 def score(task: dict, tools: list, text: str) -> dict:
     """valid (as returned), valid_fence, accuracy (fraction of fields right), fields."""
     if task["kind"] == "tool":
-        check = S.tool_constraint(tools, "required", format=TOOL_FORMAT)
+        check = S.tool_constraint(tools, "required", format=TOOL_FORMAT, parallel_tool_calls=False)
         valid = S.validate_output(check, text) is None
         try:
             _, calls = S.parse_tool_calls(text, tools, "auto", format=TOOL_FORMAT)

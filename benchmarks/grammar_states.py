@@ -49,7 +49,7 @@ def load_schemas(tokenizer, names, limit: int) -> list[tuple[str, S.Constraint, 
             continue
         text = json.dumps(valid[0], separators=(",", ":"), ensure_ascii=False)
         try:
-            constraint = S.json_schema(doc["schema"], strict=False, unenforced="allow")
+            constraint = S.json_schema(doc["schema"], strict=False, whitespace="none", unenforced="allow")
         except Exception:  # noqa: BLE001 - a schema this engine refuses: take the next
             continue
         tokens = tokenizer.encode(text)

@@ -8,7 +8,7 @@
     neuron-constrain hlo IN.pt2 [-o OUT.hlo.txt]        # HLO text via torch-xla (the mask is a parameter)
     neuron-constrain localize IN.pt2 --captures CAPTURES [--json OUT.json] [--plot OUT.png]   # exit 1: a culprit
     neuron-constrain generate --model smollm2 --prompt TEXT [--schema FILE | --regex R | --choice A,B |
-                              --tools FILE --tool-choice required|auto|NAME] [--engine E] [--whitespace W] [--max-tokens N]
+                              --tools FILE --tool-choice required|auto|NAME [--parallel-tool-calls]] [--engine E] [--whitespace W] [--max-tokens N]
     neuron-constrain demo [--model smollm2|tiny]
 
 Exit status: 0 ok, 1 a check failed or the graphs differ, 2 bad usage or unreadable
@@ -336,6 +336,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:  # a bad file, schema, pattern or tool list fails before the model loads
         request = request_from_options(args.prompt, schema=args.schema, regex=args.regex, choice=args.choice,
                                        tools=args.tools, tool_choice=args.tool_choice, whitespace=args.whitespace,
+                                       parallel_tool_calls=args.parallel_tool_calls,
                                        max_tokens=args.max_tokens)
         answer = ask(load_model(args.model), request, engine=args.engine, max_tokens=args.max_tokens)
     except (ConstraintError, ModelNotInstalledError, ValueError) as e:
@@ -439,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--tools", metavar="FILE", help="a JSON list of OpenAI tools, rendered into the prompt")
     generate.add_argument("--tool-choice", metavar="required|auto|NAME", default=None,
                           help="with --tools: required (a call is enforced), auto (free text, calls parsed) or a tool's name")
+    generate.add_argument("--parallel-tool-calls", action="store_true",
+                          help="with --tool-choice required: allow several calls (default one: SmolLM2 repeats its call)")
     generate.add_argument("--engine", choices=("auto", "xgrammar", "llguidance"), default="auto", help="the grammar engine")
     generate.add_argument("--whitespace", choices=("none", "compact", "bounded", "any"), default=None,
                           help="whitespace JSON may hold between tokens (with --schema; default compact: "

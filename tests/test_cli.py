@@ -274,3 +274,53 @@ def test_debug_shows_the_traceback(workdir):
     path.write_bytes(b"")
     result = cli("--debug", "show", path)
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+# ----------------------------------------------------------------------------- generate (one request)
+
+def test_generate_prints_the_answer_and_its_json(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                      '"additionalProperties": false}')
+    result = cli("generate", "--model", "tiny", "--prompt", "Is it ok?", "--schema", schema, "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    text, parsed = result.stdout.splitlines()[:2]
+    assert text in ('{"ok": true}', '{"ok": false}'), result.stdout  # compact whitespace, the default
+    assert parsed == "json: " + text
+    choice = cli("generate", "--model", "tiny", "--prompt", "Pick", "--choice", "red,green", "--max-tokens", "8")
+    assert choice.returncode == 0 and choice.stdout.splitlines()[0] in ("red", "green"), choice.stdout + choice.stderr
+
+
+def test_generate_required_tool_call_is_one_call_unless_parallel(tmp_path):
+    """One call by default: the grammar ends after it, so even random weights finish with exactly one
+    valid call. --parallel-tool-calls lets them go on (to more calls, or to the token limit: exit 1)."""
+    import json
+
+    from neuron_constrain.testing import weather_tool
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([weather_tool(6)]))
+    base = ("generate", "--model", "tiny", "--prompt", "Weather?", "--tools", tools, "--tool-choice", "required",
+            "--max-tokens", "200")
+    one = cli(*base)
+    assert one.returncode == 0, one.stdout + one.stderr
+    calls = json.loads(one.stdout.split("tool calls: ", 1)[1].splitlines()[0])
+    assert [c["name"] for c in calls] == ["get_weather"] and set(calls[0]["arguments"]) <= {"location", "unit"}
+    many = cli(*base, "--parallel-tool-calls")
+    assert many.returncode in (0, 1), many.stdout + many.stderr
+    if many.returncode == 1:
+        assert "max_tokens=200" in many.stderr, many.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--schema", "/nonexistent/schema.json"), ("--schema", "no such file")),
+    (("--regex", "(unclosed"), ("regex",)),
+    (("--tool-choice", "required"), ("--tools",)),
+    (("--choice", "a,b", "--whitespace", "none"), ("whitespace", "schema")),
+    (("--choice", "a,b", "--max-tokens", "0"), ("--max-tokens",)),
+    (("--choice", "a,b", "--regex", "x"), ("choice", "regex")),
+])
+def test_generate_bad_input_is_one_line_and_exit_2(args, words):
+    result = cli("generate", "--model", "tiny", "--prompt", "hi", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    one_error_line(result, *words)

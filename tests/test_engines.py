@@ -95,7 +95,7 @@ def test_engines_masks_agree_row_by_row(tekken, engines, schema, instance):
     constraint = S.json_schema(schema)
     matchers = {n: e.matcher(e.compile(constraint)) for n, e in engines.items()}
     buffers = {n: torch.zeros((2, e.width), dtype=torch.int32) for n, e in engines.items()}
-    tokens = tekken.encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False)) + [tekken.eos_id]
+    tokens = tekken.encode(json.dumps(instance, ensure_ascii=False)) + [tekken.eos_id]
     for step, token in enumerate(tokens):
         for name, engine in engines.items():
             engine.batch_fill([matchers[name]], buffers[name], [1])
@@ -114,7 +114,7 @@ def test_batch_fill_on_threads_writes_each_matchers_own_row(tekken, engine, thre
     try:
         matchers = []
         for (schema, instance) in AGREE * 2:
-            tokens = tekken.encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False))
+            tokens = tekken.encode(json.dumps(instance, ensure_ascii=False))
             matcher = filler.matcher(filler.compile(S.json_schema(schema)))
             assert all(matcher.accept_token(t) for t in tokens[: len(matchers) % len(tokens)])
             matchers.append(matcher)
@@ -149,7 +149,7 @@ def test_speculative_rows_and_finished_are_the_same(model, tekken):
     """Draft rows (fill, accept draft, fill, roll back), a refused draft, a drafted stop token,
     and a finished request's stop-only rows: the same buffer from both engines."""
     constraint = S.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 3})
-    text = tekken.encode("[1,22]")
+    text = tekken.encode("[1, 22]")
     bad = tekken.encode("x")[0]
     rows = {}
     for engine in E.ENGINES:
@@ -311,7 +311,7 @@ def test_engine_contract(tekken, name):
         assert bool((parent == 7).all()), "a refused fill wrote into the buffer"
 
         one = torch.zeros((1, engine.width), dtype=torch.int32)
-        text = tekken.encode('{"a":12}')
+        text = tekken.encode('{"a": 12}')
         for step, token in enumerate(text + [tekken.eos_id]):
             assert engine.batch_fill([matcher], one, [0]) == []
             allowed = unpack_bitmask(one, tekken.vocab_size)[0]
@@ -373,3 +373,25 @@ def test_auto_takes_xgrammar_where_it_enforces_everything_and_llguidance_for_the
         assert torch.equal(rows[1], rows[2])
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("format", ["json", "hermes", "mistral"])
+def test_parallel_tool_calls_false_allows_exactly_one_call(tekken, engines, format):
+    """tool_choice="required": two calls pass by default (OpenAI's parallel_tool_calls=True) and are
+    refused by the mask, on both engines, with parallel_tool_calls=False; one call passes both ways."""
+    call = {"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}
+    body = json.dumps(call)
+    one, two = {
+        "json": (json.dumps([call]), json.dumps([call, call])),
+        "hermes": (f"<tool_call>\n{body}\n</tool_call>", f"<tool_call>\n{body}\n</tool_call>\n<tool_call>\n{body}\n</tool_call>"),
+        "mistral": (json.dumps([call]), json.dumps([call, call])),
+    }[format]
+    prefix = [tekken.control_token("[TOOL_CALLS]")] if format == "mistral" else []
+    for parallel in (True, False):
+        constraint = S.tool_constraint([WEATHER], "required", format=format, tokenizer=tekken, parallel_tool_calls=parallel)
+        for name, engine in engines.items():
+            compiled = engine.compile(constraint)
+            assert force(engine, compiled, prefix + tekken.encode(one)), (format, parallel, name)
+            assert force(engine, compiled, prefix + tekken.encode(two)) == parallel, (format, parallel, name)
+        if format == "hermes":  # the validator agrees with the grammar
+            assert (S.validate_output(constraint, two) is None) == parallel

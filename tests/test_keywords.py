@@ -53,7 +53,8 @@ CASES = [("xgrammar", r.keyword) for r in K.UNENFORCED["xgrammar"]] + \
 
 
 def _compact(value) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """``value`` as json.dumps writes it: json_schema's default whitespace ("compact")."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 class CopyDecoder(torch.nn.Module):
@@ -138,7 +139,7 @@ def test_formats_outside_the_standard_are_annotations_not_refusals(engines, tekk
     for name, engine in engines.items():
         compiled = engine.compile(S.json_schema(schema, strict=False))
         assert not compiled.unenforced
-        assert force(engine, compiled, tekken.encode('{"t":"anything"}')), name
+        assert force(engine, compiled, tekken.encode('{"t": "anything"}')), name
     assert K.post_validate(schema, '{"t":"anything"}') is None
 
 

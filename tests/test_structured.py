@@ -390,7 +390,7 @@ def test_reused_layouts_follow_finishes_joins_and_other_batches(vocab, compiled,
 
 def test_parallel_and_direct_fills_write_the_same_rows(vocab):
     """Batch 1 (the matcher directly), a few rows on this thread, and the threaded batch fill agree."""
-    texts = ['{"a":1', '{"a":12,"b":[tr', '"ab', 'ye', '[1,', "cc", '{"a":', "m"]
+    texts = ['{"a": 1', '{"a": 12, "b": [tr', '"ab', 'ye', '[1, ', "cc", '{"a": ', "m"]
     constraints = [POOL[0], POOL[0], POOL[1], POOL[3], POOL[4], POOL[2], POOL[0], POOL[3]]
     masks = []
     for threads, min_rows in [(1, 2), (2, 2), (2, 16)]:

@@ -276,7 +276,7 @@ def test_tool_formats_accept_the_canonical_call_and_parse_auto(tokenizers, runti
     key = "parameters" if format == "llama3" else "arguments"
     call = {"name": "get_weather", key: {"location": "Paris", "unit": "celsius"}}
     body = json.dumps(call)
-    text = {"hermes": f"<tool_call>\n{body}\n</tool_call>", "llama3": body, "json": json.dumps([call], separators=(",", ":"))}[format]
+    text = {"hermes": f"<tool_call>\n{body}\n</tool_call>", "llama3": body, "json": json.dumps([call])}[format]
     choice = "required" if format != "llama3" else {"type": "function", "function": {"name": "get_weather"}}
     constraint = S.tool_constraint(TOOLS, choice, format=format, tokenizer=tok)
     runtime.add(("canon", format), constraint)

@@ -241,8 +241,9 @@ def test_whitespace_and_strict_options(vocab):
     assert _accepts(vocab, bounded, '{ "a":  1,\n "b": true }')
     assert not _accepts(vocab, bounded, '{"a":   1, "b": true}')  # 3 spaces: over the bound of 2
     assert _accepts(vocab, S.json_schema(schema, whitespace="bounded", max_whitespace=4), '{"a":    1, "b": true}')
-    assert S.json_schema(schema, compact=False).whitespace == "any" and S.json_schema(schema).compact
-    extra = '{"a":1,"b":true,"c":null}'
+    assert S.json_schema(schema, compact=False).whitespace == "any" and S.json_schema(schema, compact=True).compact
+    assert S.json_schema(schema).whitespace == "compact"  # the default: json.dumps's separators
+    extra = '{"a": 1, "b": true, "c": null}'
     assert not _accepts(vocab, S.json_schema(schema), extra) and _accepts(vocab, S.json_schema(schema, strict=False), extra)
     with pytest.raises(S.ConstraintError, match="whitespace='tabs' is not one of"):
         S.json_schema(schema, whitespace="tabs")

@@ -27,9 +27,6 @@ from neuron_constrain.structured import (
 )
 
 TOOL_FORMAT = "hermes"  # how the tool chat template asks SmolLM2 to call (chat.py)
-# benchmarks/bench_quality.py on SmolLM2: "compact" JSON (", " / ": ") gave the best field accuracy
-# on both engines (0.528; bounded/any 0.486, none 0.462; README). The CLI and demo default to it.
-SCHEMA_WHITESPACE = "compact"
 
 
 @dataclasses.dataclass
@@ -42,7 +39,10 @@ class Request:
     choice: Sequence[str] | None = None
     tools: Sequence[dict] | None = None
     tool_choice: str = "auto"  # "auto" | "required" | "none" | a tool's name
-    whitespace: str | None = None  # JSON schema only; None: SCHEMA_WHITESPACE
+    whitespace: str | None = None  # JSON schema only; None: json_schema's default ("compact")
+    # tool_choice="required" makes one call unless this is set: SmolLM2 otherwise repeats its call
+    # until the token limit (3 of 24 tool tasks in benchmarks/bench_quality.py)
+    parallel_tool_calls: bool = False
     system: str | None = None
 
     def constraint(self, tokenizer=None) -> Constraint | None:
@@ -54,13 +54,14 @@ class Request:
             raise ConstraintError("whitespace applies to a JSON schema: pass it with a schema")
         if self.schema is not None:
             _check_schema(self.schema)
-            return json_schema(self.schema, whitespace=self.whitespace or SCHEMA_WHITESPACE)
+            return json_schema(self.schema, whitespace=self.whitespace)
         if self.regex is not None or self.choice is not None:
             constraint = regex(self.regex) if self.regex is not None else choice(list(self.choice))
             constraint.parse()  # a malformed pattern fails here, before any model loads
             return constraint
         if self.tools is not None:
-            return tool_constraint(self.tools, _tool_choice(self.tool_choice), format=TOOL_FORMAT, tokenizer=tokenizer)
+            return tool_constraint(self.tools, _tool_choice(self.tool_choice), format=TOOL_FORMAT, tokenizer=tokenizer,
+                                   parallel_tool_calls=self.parallel_tool_calls)
         return None
 
 
@@ -76,7 +77,7 @@ def _load_json(path: str, flag: str):
 
 def request_from_options(prompt: str, *, schema: str | None = None, regex: str | None = None, choice: str | None = None,
                          tools: str | None = None, tool_choice: str | None = None, whitespace: str | None = None,
-                         max_tokens: int = 256) -> Request:
+                         parallel_tool_calls: bool = False, max_tokens: int = 256) -> Request:
     """A :class:`Request` from command-line options (file paths, ``"a,b"`` choices), checked:
     ``ValueError`` / :class:`ConstraintError` naming the option and the fix."""
     if max_tokens < 1:
@@ -88,7 +89,8 @@ def request_from_options(prompt: str, *, schema: str | None = None, regex: str |
         raise ValueError(f'--tools {tools}: a JSON list of OpenAI tools ([{{"type": "function", ...}}])')
     request = Request(prompt, schema=_load_json(schema, "--schema") if schema is not None else None, regex=regex,
                       choice=[o.strip() for o in choice.split(",")] if choice is not None else None,
-                      tools=tool_list, tool_choice=tool_choice or "auto", whitespace=whitespace)
+                      tools=tool_list, tool_choice=tool_choice or "auto", whitespace=whitespace,
+                      parallel_tool_calls=parallel_tool_calls)
     request.constraint()
     return request
 

@@ -92,7 +92,7 @@ def _tag(text: str, tokenizer) -> dict | str:
     return text if token is None else {"type": "token", "token": token}
 
 
-def _structural(format: str, functions: dict[str, dict], only: str | None, tokenizer) -> dict:
+def _structural(format: str, functions: dict[str, dict], only: str | None, tokenizer, one_call: bool) -> dict:
     names = [only] if only else list(functions)
     schemas = [_format_call_schema(format, n, functions[n]) for n in names]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
@@ -104,7 +104,7 @@ def _structural(format: str, functions: dict[str, dict], only: str | None, token
                 'format="mistral" needs a tokenizer with the [TOOL_CALLS] control token: pass '
                 "tokenizer=from_mistral(...) (Tekken, sentencepiece v3+) or choose another format"
             )
-        array = {"type": "array", "items": one, "minItems": 1, **({"maxItems": 1} if only else {})}
+        array = {"type": "array", "items": one, "minItems": 1, **({"maxItems": 1} if one_call else {})}
         return {"type": "sequence", "elements": [
             {"type": "token", "token": token},
             {"type": "optional", "content": {"type": "const_string", "value": " "}},  # sentencepiece writes "▁["
@@ -116,12 +116,13 @@ def _structural(format: str, functions: dict[str, dict], only: str | None, token
         end = end if not isinstance(end, str) else "\n</tool_call>"
         tags = [{"type": "tag", "begin": begin, "content": content(schema), "end": end} for schema in schemas]
         return {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                "stop_after_first": bool(only)}
+                "stop_after_first": one_call}
     return content(one)  # llama3: one {"name", "parameters"} object
 
 
-def _structural_constraint(format: str, functions: dict, only: str | None, tokenizer, tool_choice) -> Constraint:
-    tag = {"type": "structural_tag", "format": _structural(format, functions, only, tokenizer)}
+def _structural_constraint(format: str, functions: dict, only: str | None, tokenizer, tool_choice,
+                           one_call: bool) -> Constraint:
+    tag = {"type": "structural_tag", "format": _structural(format, functions, only, tokenizer, one_call)}
     try:
         text = str(xgr.Grammar.from_structural_tag(tag))
     except Exception as error:
@@ -129,12 +130,13 @@ def _structural_constraint(format: str, functions: dict, only: str | None, token
     text = text.replace(_LENGTH_STRING_CLASS, _JSON_STRING_CLASS)  # JSON string characters, as json_schema does
     return Constraint(
         "ebnf", text, "bounded",
-        validate=lambda answer: _check_calls(answer, functions, tool_choice, format),
+        validate=lambda answer: _check_calls(answer, functions, tool_choice, format, one_call),
     )
 
 
 def tool_constraint(
-    tools: Sequence[dict], tool_choice: str | dict = "auto", *, format: str = "json", tokenizer=None
+    tools: Sequence[dict], tool_choice: str | dict = "auto", *, format: str = "json", tokenizer=None,
+    parallel_tool_calls: bool = True,
 ) -> Constraint | None:
     """OpenAI ``tools`` + ``tool_choice`` -> the constraint that enforces it.
 
@@ -142,7 +144,9 @@ def tool_constraint(
     ``{"type": "function", "function": {"name": n}}``: one call of ``n``; both in
     ``format`` (see the module docstring; ``"json"``: a JSON array of ``{"name",
     "arguments"}``, named: one object). ``"auto"`` / ``"none"``: ``None`` (free text;
-    parse it with :func:`parse_tool_calls`).
+    parse it with :func:`parse_tool_calls`). ``parallel_tool_calls=False`` (OpenAI's flag):
+    ``"required"`` makes exactly one call (a small model may otherwise repeat its call until
+    the token limit; a named choice is always one call).
     """
     if format not in TOOL_FORMATS:
         raise ConstraintError(f"tool-call format {format!r} is not one of {TOOL_FORMATS}")
@@ -153,9 +157,10 @@ def tool_constraint(
         if not functions:
             raise ConstraintError('tool_choice="required" with no tools: pass tools, or use tool_choice="auto"')
         if format != "json":
-            return _structural_constraint(format, functions, None, tokenizer, tool_choice)
+            return _structural_constraint(format, functions, None, tokenizer, tool_choice, not parallel_tool_calls)
         calls = [_call_schema(name, params) for name, params in functions.items()]
-        return json_schema({"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
+        return json_schema({"type": "array", "minItems": 1, **({} if parallel_tool_calls else {"maxItems": 1}),
+                            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
     name = _named_tool(tool_choice)
     if name is None:
         raise ConstraintError(
@@ -165,11 +170,11 @@ def tool_constraint(
     if name not in functions:
         raise ConstraintError(f"tool_choice names {name!r} but the tools are {sorted(functions)}; add it to tools")
     if format != "json":
-        return _structural_constraint(format, functions, name, tokenizer, tool_choice)
+        return _structural_constraint(format, functions, name, tokenizer, tool_choice, True)
     return json_schema(_call_schema(name, functions[name]))
 
 
-def _check_calls(text: str, functions: dict, tool_choice, format: str) -> str | None:
+def _check_calls(text: str, functions: dict, tool_choice, format: str, one_call: bool) -> str | None:
     """``validate_output`` of a tool-call constraint: parsed, and each call's arguments valid."""
     import jsonschema
 
@@ -180,6 +185,8 @@ def _check_calls(text: str, functions: dict, tool_choice, format: str) -> str | 
         return f"not a {format} tool call: {error}"
     if content or not calls:
         return f"not only {format} tool calls: free text {content[:40]!r}"
+    if one_call and len(calls) > 1:
+        return f"{len(calls)} calls where one was asked for"
     named = _named_tool(tool_choice)
     for call in calls:
         if named and call.name != named:
