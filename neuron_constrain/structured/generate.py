@@ -120,7 +120,8 @@ class _Calls:
         batch = [self.ids[i] for i in indices]
         began = time.perf_counter()
         limits = {self.ids[i]: min(sizes[-1] - 1, max_new_tokens - len(self.generated[i]) - 1) for i in indices}
-        runs = [runtime.forced_runs(batch, limits, mode=mode).get(r, []) for r in batch]
+        forced = runtime.forced_runs(batch, limits, mode=mode)
+        runs = [forced.get(r, []) for r in batch]
         ends = [bool(run) and run[-1] in runtime.stop_token_ids for run in runs]
         taken, flagged = [list(run) for run in runs], [False] * len(batch)
         if not all(ends):
