@@ -6,14 +6,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# Exports are slow and these machines are shared: no deadlines, modest example counts.
-settings.register_profile(
-    "default",
-    deadline=None,
-    max_examples=25,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# Hypothesis profiles. "ci" (the default, what `make test` runs): a fixed budget per test and
+# derandomized examples, so a run checks the same cases every time and its length does not vary;
+# "long" (`make test-long`, or `--hypothesis-profile=long`): ten times the examples, freshly
+# random, the example database on, for hunting new failures; "dev": the ci budget, random.
+# Exports are slow and these machines are shared: no deadlines.
+_RELAXED = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+CI_EXAMPLES = 25
+settings.register_profile("ci", deadline=None, max_examples=CI_EXAMPLES, derandomize=True, database=None,
+                          suppress_health_check=_RELAXED)
+settings.register_profile("dev", deadline=None, max_examples=CI_EXAMPLES, suppress_health_check=_RELAXED)
+settings.register_profile("long", deadline=None, max_examples=10 * CI_EXAMPLES, suppress_health_check=_RELAXED)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    """A test's own example budget ``n`` (its count under the ci profile), scaled to the loaded
+    profile: ``@settings(max_examples=examples(12))`` runs 12 in CI and 120 under "long".
+    (Hypothesis's pytest plugin loads ``--hypothesis-profile`` before test modules import.)"""
+    return max(1, n * settings.default.max_examples // CI_EXAMPLES)
 
 import pytest  # noqa: E402
 

@@ -20,6 +20,9 @@ import re
 
 import pytest
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"neuron_constrain": ROOT / "neuron_constrain", "neuron_constrain.passes": ROOT / "passes",
                 "neuron_constrain.kernels": ROOT / "kernels"}

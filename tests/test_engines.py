@@ -14,6 +14,9 @@ from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_fi
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.testing import GreedyStep, force, tiny_decoder, weather_tool
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 BATCH = torch.export.Dim("batch")
 WEATHER = weather_tool(8)
 GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x" | "\\u00e9"'

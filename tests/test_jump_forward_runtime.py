@@ -15,6 +15,9 @@ from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.jump_forward import single_token
 from neuron_constrain.testing import toy_tokenizer
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 VOCAB = toy_tokenizer()
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"]}

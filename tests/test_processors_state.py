@@ -13,6 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from neuron_constrain.processors import (
+
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
     BatchUpdate,
     ProcessorError,
     ProcessorState,

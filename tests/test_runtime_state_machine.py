@@ -31,6 +31,9 @@ from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.structured import engines as E
 from neuron_constrain.testing import toy_tokenizer
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 VOCAB = toy_tokenizer()
 EOS = VOCAB.eos_id
 SLOW = "slow"  # a regex marked so the injected engine compiles it slower than its time limit

@@ -17,6 +17,9 @@ from neuron_constrain.structured import engines as E
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer, weather_tool
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 MODEL_VOCAB = 768
 BATCH = torch.export.Dim("batch")
 

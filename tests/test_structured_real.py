@@ -16,6 +16,9 @@ from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
 from neuron_constrain.testing import tiny_decoder, weather_tool
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 BATCH = torch.export.Dim("batch")
 MAX_NEW = 24
 

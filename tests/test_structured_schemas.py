@@ -20,6 +20,9 @@ import xgrammar as xgr
 from neuron_constrain import structured as S
 from neuron_constrain.testing import ForcedStep, GreedyStep, tiny_decoder, toy_tokenizer
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 MODEL_VOCAB = 768  # lm_head padded past the toy tokenizer's 732 tokens
 BATCH = torch.export.Dim("batch")
 

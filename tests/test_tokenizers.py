@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.structured.tokenizers import (
+
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
     Tokenizer,
     TokenizerInfoError,
     audit,
