@@ -65,3 +65,17 @@ def engines(tekken):
     from neuron_constrain.structured import engines
 
     return {name: engines.make_engine(name, tekken) for name in engines.ENGINES}
+
+
+# ---- shared models (exported once per session)
+
+
+@pytest.fixture(scope="session")
+def mistral_tokenizers(tekken):
+    """The tokenizer files mistral-common ships, built once for the session: Tekken (the
+    ``tekken`` fixture itself), sentencepiece v1 and v3. A ``Tokenizer`` holds no request
+    state (only caches of what its files determine: ``info``, the decode anchor)."""
+    from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
+
+    return {"tekken": tekken, "sp1": from_mistral(mistral_data_file("tokenizer.model.v1")),
+            "sp3": from_mistral(mistral_data_file("mistral_instruct_tokenizer_240323.model.v3"))}

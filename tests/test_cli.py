@@ -1,4 +1,11 @@
-"""The ``neuron-constrain`` CLI, run as a subprocess the way users and CI run it.
+"""The ``neuron-constrain`` CLI, the way users and CI run it.
+
+Commands run in-process through ``cli_runner.run_cli`` (``cli.main`` with stdin empty
+and stdout/stderr captured, not TTYs: what a subprocess sees, without a fresh
+interpreter importing torch per call). A few run the installed entry points as real
+subprocesses (``run_installed``): ``python -m neuron_constrain show`` (exit 0), the
+``neuron-constrain`` console script's ``rewrite --tap`` (exit 0) and a failing
+``check`` (exit 1).
 
 Golden canonical texts live in ``tests/golden/``; the same files hold on torch 2.9
 and 2.13. After an intended graph change, regenerate one with
@@ -6,9 +13,7 @@ and 2.13. After an intended graph change, regenerate one with
 """
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,20 +21,12 @@ import torch
 
 from neuron_constrain.passes.mask_logits_pass import MASK_INPUT
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
+from cli_runner import run_cli as cli
+from cli_runner import run_installed
 
 GOLDEN = Path(__file__).parent / "golden"
-SCRIPT = Path(sys.executable).parent / "neuron-constrain"
 VOCAB, PADDED = 1000, 1024
 ARCHS = ("llama", "mixtral", "gpt_oss")
-
-
-def cli(*args: str, module: bool = False) -> subprocess.CompletedProcess:
-    """Run the CLI (console script, or ``python -m neuron_constrain``) with stdin/stderr not a TTY."""
-    command = [sys.executable, "-m", "neuron_constrain"] if module else [str(SCRIPT)]
-    return subprocess.run(
-        command + [str(a) for a in args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=300,
-    )
 
 
 def one_error_line(result: subprocess.CompletedProcess, *words: str) -> str:
@@ -92,7 +89,7 @@ def test_rewritten_program_loads_and_masks_without_the_library(rewritten):
 
 
 def test_show_is_the_golden_text_and_diff_reads_both_forms(rewritten, workdir):
-    shown = cli("show", rewritten["mixtral"], module=True)
+    shown = run_installed("show", rewritten["mixtral"], module=True)  # python -m neuron_constrain
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout == (GOLDEN / "mixtral_greedy_logit_mask.txt").read_text()
     text = workdir / "mixtral-masked.txt"
@@ -133,7 +130,7 @@ def test_check_update_writes_golden_and_flags_a_changed_graph(rewritten, workdir
     wrote = cli("check", rewritten["gpt_oss"], "--expect", golden, "--update")
     assert wrote.returncode == 0 and golden.exists(), wrote.stdout + wrote.stderr
     # The llama rewrite is not the gpt_oss graph: check fails with a structural diff.
-    other = cli("check", rewritten["llama"], "--expect", golden)
+    other = run_installed("check", rewritten["llama"], "--expect", golden)  # the console script: exit 1
     assert other.returncode == 1, other.stdout + other.stderr
     assert "FAIL the graph differs from" in other.stdout and "--update" in other.stdout
     assert "nodes:" in other.stdout and "@ model.model.layers.0.mlp" in other.stdout
@@ -231,7 +228,8 @@ def test_unknown_pass(plain, workdir):
 
 def test_rewrite_with_taps_then_check(plain, workdir):
     out = workdir / "llama.tapped.pt2"
-    result = cli("rewrite", plain["llama"], "-o", out, "--tap", "model.layers.*.mlp", "--vocab-size", VOCAB)
+    # the console script: exit 0, the summary on stdout
+    result = run_installed("rewrite", plain["llama"], "-o", out, "--tap", "model.layers.*.mlp", "--vocab-size", VOCAB)
     assert result.returncode == 0, result.stderr
     assert "taps: 2 site(s)" in result.stdout and "logit_mask: 1 site(s)" in result.stdout
     assert cli("check", out, "--vocab-size", VOCAB).returncode == 0

@@ -10,7 +10,6 @@ import torch
 
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.testing import GreedyStep, force, tiny_decoder, weather_tool
 
@@ -258,10 +257,10 @@ def test_llguidance_needs_the_tokenizer_not_a_bare_info(tekken):
 
 
 @pytest.mark.parametrize("name", ["tokenizer.model.v1", "mistral_instruct_tokenizer_240323.model.v3"])
-def test_llguidance_forces_text_without_sentencepiece_dummy_prefix(name):
+def test_llguidance_forces_text_without_sentencepiece_dummy_prefix(mistral_tokenizers, name):
     """After "f" a boolean must go on "alse": llguidance forces the canonical tokens of that
     text, which a sentencepiece encode would start with a dummy-prefix space (" al" "se")."""
-    tok = from_mistral(mistral_data_file(name))
+    tok = mistral_tokenizers[{"tokenizer.model.v1": "sp1", "mistral_instruct_tokenizer_240323.model.v3": "sp3"}[name]]
     step = GreedyStep(tiny_decoder("llama", vocab_size=tok.vocab_size, hidden_size=32, layers=1, seed=3))
     model = S.transform_decoder(step, (torch.zeros(2, 6, dtype=torch.long),), vocab_size=tok.vocab_size,
                                 dynamic_shapes=({0: BATCH},))

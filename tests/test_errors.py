@@ -3,10 +3,6 @@ thing and the fix; each case here was reproduced as a bare torch error or a sile
 acceptance before (issue 12)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import sympy
 import torch
@@ -17,6 +13,7 @@ from neuron_constrain.kernels import pack_bool_mask, packed_width
 from neuron_constrain.replacement import logit_validation
 from neuron_constrain.report import evaluate_dim, unsizable
 from neuron_constrain.testing import GreedyStep, LogitsStep, random_ids, tiny_decoder
+from cli_runner import run_cli
 
 VOCAB = 1000
 BATCH = torch.export.Dim("batch")
@@ -141,9 +138,7 @@ def test_rewrite_refuses_tp_degree_zero(tmp_path, model):
     ids = random_ids(2, 4, VOCAB)
     path = tmp_path / "step.pt2"
     torch.export.save(torch.export.export(GreedyStep(model), (ids,)), path)
-    script = os.path.join(os.path.dirname(sys.executable), "neuron-constrain")
-    result = subprocess.run([script, "rewrite", str(path), "-o", str(tmp_path / "out.pt2"), "--tp-degree", "0"],
-                            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    result = run_cli("rewrite", path, "-o", tmp_path / "out.pt2", "--tp-degree", "0")  # in-process cli.main
     assert result.returncode == 2, result.stdout + result.stderr
     assert "tp_degree=0" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out.pt2").exists()

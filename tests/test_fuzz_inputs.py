@@ -13,9 +13,9 @@ raw torch / ``IndexError`` traceback, never a bad input silently taken.
   on a step transformed with every built-in processor. A valid request's tokens
   equal the reference of ``test_processors``.
 
-Example counts are fixed here (see ``MASK_EXAMPLES`` / ``PROCESSOR_EXAMPLES``), not
-taken from the profile: the graphs are small synthetic decoders, so a case costs
-milliseconds.
+Example counts are set here (see ``MASK_EXAMPLES`` / ``PROCESSOR_EXAMPLES``: the counts
+under the ci profile, above its default since the graphs are small synthetic decoders and a
+case costs milliseconds); ``examples()`` scales them for the long profile.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import importlib.util
 import math
 
 import pytest
-from conftest import LANE
+from conftest import LANE, examples
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -39,7 +39,7 @@ from test_processors import argmax, reference_row, reference_sample
 VOCAB, WIDTH, EOS, SLOTS = 70, 80, 3, 4
 PACKED = packed_width(VOCAB)  # 3 int32 words
 BATCH_DIM = torch.export.Dim("batch", max=8)
-MASK_EXAMPLES, PROCESSOR_EXAMPLES = 150, 100
+MASK_EXAMPLES, PROCESSOR_EXAMPLES = examples(150), examples(100)
 # The main lane always fuzzes the xla device (a broken torch-xla fails there, never drops out); others when installed.
 HAS_XLA = LANE == "main" or importlib.util.find_spec("torch_xla") is not None
 ALL = ["min_tokens", "logit_bias", "penalties", "min_p"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +55,7 @@ def _constraint(data, index):
     return json_schema(SCHEMAS[kind]) if kind < len(SCHEMAS) else OTHERS[kind - len(SCHEMAS)]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_exact_jump_forward_is_token_identical_to_step_by_step(tiny, sampled, runtimes, data):
     """Over grammars (JSON schemas, regex, choice, EBNF, none) x greedy / sampled x batch 1 / 4 x

@@ -30,16 +30,16 @@ from neuron_constrain.kernels import (
     packed_width,
     unpack_bitmask,
 )
-from conftest import require_torch_xla
+from conftest import examples, require_torch_xla
 
 aten = torch.ops.aten
 NEG_INF = float("-inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIGN_BIT = -(2**31)  # bit 31 as an int32 word
 
-# Kept small: these run on a shared 2-core machine, on two lanes.
-FEW = settings(max_examples=25, deadline=None)
-SOME = settings(max_examples=60, deadline=None)
+# Kept small: these run on a shared 2-core machine, on two lanes (examples() scales them for the long profile).
+FEW = settings(max_examples=examples(25), deadline=None)
+SOME = settings(max_examples=examples(60), deadline=None)
 
 
 # ----------------------------------------------------------------------------- references

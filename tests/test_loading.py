@@ -30,6 +30,7 @@ from neuron_constrain.loading import LoadError, load
 from neuron_constrain.loading.archive import check_zip
 from neuron_constrain.loading.program_json import _walk
 from neuron_constrain.testing import GreedyStep, VocabShardedGreedyStep, random_ids, tiny_decoder
+from conftest import examples
 
 VOCAB, PADDED = 250, 256
 COMMANDS = ("show", "check", "diff", "rewrite", "hlo")
@@ -456,7 +457,7 @@ def small(workdir) -> Original:
     return Original((path, path.read_bytes(), contents))
 
 
-FUZZ_CASES = 100
+FUZZ_CASES = 100  # under the ci profile; examples() scales it for the long one
 
 
 def _check_mutant(path: Path, good: Path, out: Path, command: str, counts: dict[str, int]) -> None:
@@ -480,7 +481,7 @@ def _fuzz(mutate, small, tmp_path, capsys) -> dict[str, int]:
     """Run ``mutate(data, original) -> bytes`` FUZZ_CASES times through load and a CLI command; the counts."""
     counts = dict.fromkeys(("loaded", "refused") + COMMANDS, 0)
 
-    @settings(max_examples=FUZZ_CASES, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples(FUZZ_CASES), deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def run(data):
@@ -491,7 +492,7 @@ def _fuzz(mutate, small, tmp_path, capsys) -> dict[str, int]:
     run()
     with capsys.disabled():  # the case counts, in the test log
         print(f"\n{mutate.__name__}: {counts['loaded'] + counts['refused']} cases, {counts}")
-    assert counts["loaded"] + counts["refused"] == FUZZ_CASES and counts["refused"] > 0
+    assert counts["loaded"] + counts["refused"] == examples(FUZZ_CASES) and counts["refused"] > 0
     return counts
 
 

@@ -20,14 +20,14 @@ from neuron_constrain.errors import InputError
 from neuron_constrain.replacement import localize, logit_validation, reference_captures
 from neuron_constrain.replacement.localize import LOGITS, default_taps
 from neuron_constrain.testing import LogitsStep, tiny_decoder
-from conftest import require_torch_xla
+from conftest import examples, require_torch_xla
 
 VOCAB, LAYERS, NEW = 256, 3, 4
 PROMPTS = [[3, 14, 15, 92, 65], [27, 18, 28], [100, 101, 102, 103, 104, 105, 106]]  # lengths differ: padded slots
 ATOL = 1e-5
 ARCHS = ("llama", "mixtral", "gpt_oss")
 ROUTER = {"mixtral": "mlp.gate", "gpt_oss": "mlp.router"}
-FEW = settings(max_examples=4, deadline=None)
+FEW = settings(max_examples=examples(4), deadline=None)
 DIMS = ({0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1, max=64)},)
 
 
@@ -187,7 +187,7 @@ def test_router_logits_offset_is_found(arch, i):
     assert report.culprit_row.local_error == pytest.approx(0.3, rel=1e-3)  # the offset itself
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(arch=st.sampled_from(ARCHS), i=st.integers(0, LAYERS - 1))
 @example(arch="llama", i=LAYERS - 1)
 @example(arch="gpt_oss", i=0)

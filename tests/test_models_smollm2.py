@@ -85,8 +85,11 @@ def test_cached_generate_token_identical_to_hf_generate(smollm2, decoder):
     prompts = [M.prompt_ids(smollm2, q) for q in QUESTIONS] + [M.prompt_ids(smollm2, "Say hello.", system="Be brief.")] * 2
     assert len({len(p) for p in prompts}) >= 3
     result = S.generate(decoder, prompts, [None] * len(prompts), 24, tokenizer=smollm2.tokenizer)
+    references = {}  # HF greedy per distinct prompt (the last two rows are one prompt: deterministic, computed once)
     for prompt, out in zip(prompts, result.outputs):
-        assert out.tokens == _hf_greedy(smollm2.model, prompt, 24), smollm2.hf_tokenizer.decode(out.tokens)
+        if tuple(prompt) not in references:
+            references[tuple(prompt)] = _hf_greedy(smollm2.model, prompt, 24)
+        assert out.tokens == references[tuple(prompt)], smollm2.hf_tokenizer.decode(out.tokens)
     assert "Paris" in result.outputs[0].text
 
 
@@ -104,7 +107,10 @@ CONSTRAINED = [  # (question, constraint, tools in the prompt): every kind, boun
 ]
 
 
-@pytest.mark.parametrize("engine", ENGINE_CHOICES)
+# [auto] and [llguidance] check the grammar engines' masks on the host (the same on every torch): the main
+# lane runs them; [xgrammar], compared token for token with HF generate + xgrammar's processor, runs on every lane
+@pytest.mark.parametrize("engine", [e if e == "xgrammar" else pytest.param(e, marks=pytest.mark.torch_agnostic)
+                                    for e in ENGINE_CHOICES])
 def test_constrained_outputs_valid_on_every_engine(smollm2, decoder, engine):
     prompts = [M.prompt_ids(smollm2, q, tools=tools) for q, _, tools in CONSTRAINED]
     constraints = [c for _, c, _ in CONSTRAINED]

@@ -175,11 +175,11 @@ def test_a_body_error_surfaces_as_itself(cached):
 def test_a_fill_error_surfaces_after_the_body_finished(cached):
     split = split_step(fresh(cached))
     ids, position = cached.program.example_inputs[0]
-    done = threading.Event()
+    done, fill_failing = threading.Event(), threading.Event()
     body = split.body.graph_module
 
-    def slow_body(*args, **kwargs):
-        time.sleep(0.3)
+    def slow_body(*args, **kwargs):  # still running when the fill raises: it waits for the fill's error
+        assert fill_failing.wait(30), "the fill never ran"
         out = body(*args, **kwargs)
         done.set()
         return out
@@ -187,6 +187,7 @@ def test_a_fill_error_surfaces_after_the_body_finished(cached):
     split.body.graph_module = _Body(slow_body)
 
     def bad_fill():
+        fill_failing.set()
         raise ValueError("grammar exploded")
 
     with PipelinedStep(split, timeout=30) as step:

@@ -13,14 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from neuron_constrain.processors import (
-
-# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
-pytestmark = pytest.mark.torch_agnostic
     BatchUpdate,
     ProcessorError,
     ProcessorState,
     RequestParams,
 )
+
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
 
 SLOTS, VOCAB, STOPS, BIAS, SEEN, EOS = 6, 37, 3, 4, 16, 2
 

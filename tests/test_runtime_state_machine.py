@@ -17,7 +17,6 @@ Invariants (after every rule):
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -45,20 +44,40 @@ POOL = [
     S.json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 2}),
     None,
 ]
-TIMEOUT, SLOW_SECONDS, FILL_TIMEOUT = 0.4, 0.8, 0.2
+TIMEOUT, FILL_TIMEOUT = 0.4, 0.2
+BOUND = 30.0  # seconds: no event wait below lasts longer (a bug fails the test, it never hangs CI)
 HANG = threading.Event()  # set at teardown: hung fills return
+HUNG_STARTED = threading.Event()  # a hung fill has started on a fill thread
+STRAGGLER_WROTE = threading.Event()  # a hung fill woke up and wrote its row
 FIRED = {"raise": 0, "hang": 0}  # injected fills that ran: the faults must fire, or the machine proves nothing
 
 
 class _SlowCompiles:
-    """The runtime's engine with compilations of SLOW-marked regexes delayed past their limit."""
+    """The runtime's engine with compilations of SLOW-marked regexes held past their limit: each
+    blocks until ``release(spec)`` — which the machine calls once the runtime has failed the
+    request (or it was removed) — so it is past its limit however loaded the machine is, and
+    the compilations queued behind it then start."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.releases: dict[str, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def _event(self, spec: str) -> threading.Event:
+        with self.lock:
+            return self.releases.setdefault(spec, threading.Event())
+
+    def release(self, spec: str) -> None:
+        self._event(spec).set()
+
+    def release_all(self) -> None:
+        with self.lock:
+            for event in self.releases.values():
+                event.set()
 
     def compile(self, constraint):
         if constraint.kind == "regex" and SLOW in constraint.spec:
-            time.sleep(SLOW_SECONDS)
+            assert self._event(constraint.spec).wait(BOUND), f"{constraint.spec} was never released"
         return self.engine.compile(constraint)
 
 
@@ -76,9 +95,13 @@ def _faulty(matcher, fault: str):
             if fault == "raise":
                 raise RuntimeError("injected fill failure")
             if fault == "hang" and not on_caller:
+                HUNG_STARTED.set()
                 HANG.wait()
-            if fault == "slow" and on_caller:  # the fill threads take the next rows meanwhile
-                time.sleep(0.5)
+                result = base.fill_next_token_bitmask(self, buffer, row)
+                STRAGGLER_WROTE.set()
+                return result
+            if fault == "slow" and on_caller:  # held until a fill thread has taken a later row
+                assert HUNG_STARTED.wait(BOUND), "no fill thread took the hung row"
             return base.fill_next_token_bitmask(self, buffer, row)
 
     copy = object.__new__(Faulty)
@@ -126,7 +149,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         )
         self.reference = E.make_engine(self.ENGINE, VOCAB)
         self.marks: dict = {}
-        self.runtime.compiled.engine = _SlowCompiles(self.runtime.engine)  # what compiles
+        self.slow = self.runtime.compiled.engine = _SlowCompiles(self.runtime.engine)  # what compiles
         self.runtime.requests.engine = _Faults(self.runtime.engine, self.marks)  # what makes each request's matcher
         self.models: dict[int, _Model] = {}
         self.next_id = 0
@@ -134,6 +157,7 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     def teardown(self):
         HANG.set()
+        self.slow.release_all()
         self.runtime.close()
         self.reference.close()
         HANG.clear()
@@ -162,17 +186,24 @@ class RuntimeMachine(RuleBasedStateMachine):
     def remove(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.models)))
         self.runtime.remove(request_id)
-        del self.models[request_id]
+        model = self.models.pop(request_id)
+        if model.fault == "slow":  # nothing waits for it now: let the compilations queued behind it start
+            self.slow.release(model.constraint.spec)
 
     @precondition(lambda self: self.models)
     @rule(data=st.data())
     def step(self, data):
         # Every draw below has the same shape whatever the threads did (hypothesis replays draws):
-        # compilations are waited for (their outcome does not depend on timing: slow ones take
-        # twice their limit), the batch is drawn from all requests, then cut to the ready ones.
+        # compilations are waited for (their outcome does not depend on timing: a slow one is held
+        # until the runtime has failed it past its limit), the batch is drawn from all requests,
+        # then cut to the ready ones.
         ids = sorted(self.models)
         while any(self.runtime.error(r) is None and r not in self.runtime.ready([r]) for r in ids):
-            self.runtime.wait(ids, timeout=2 * SLOW_SECONDS)
+            self.runtime.wait(ids, timeout=1.0)
+            for request_id in ids:
+                model = self.models[request_id]
+                if model.fault == "slow" and self.runtime.error(request_id) is not None:
+                    self.slow.release(model.constraint.spec)
         size = data.draw(st.integers(1, min(len(ids), self.runtime.max_rows)), label="size")
         order = data.draw(st.permutations(ids), label="order")[:size]
         ready = set(self.runtime.ready(ids))
@@ -326,6 +357,8 @@ def test_a_hung_fill_thread_fails_its_request_alone_and_the_runtime_keeps_servin
     """The fill thread hangs on request "hung": that request fails with a fill error naming it,
     the others get their rows and tokens, the runtime moves to a fresh buffer (the straggler
     writes into the old one when it wakes), and the next steps need no new runtime."""
+    for event in (HANG, HUNG_STARTED, STRAGGLER_WROTE):  # (a state machine run may have set them)
+        event.clear()
     runtime = S.StructuredRuntime(VOCAB, max_rows=4, fill_threads=2, parallel_min_rows=2, fill_timeout=0.3)
     constraint = S.regex(r"[0-9]{1,3}")
     batch = ["slow", "hung", "c", "d"]
@@ -350,7 +383,7 @@ def test_a_hung_fill_thread_fails_its_request_alone_and_the_runtime_keeps_servin
         assert "'hung'" in str(result.failed["hung"]) and "within 0.3 s" in str(result.failed["hung"])
         live = runtime.buffer.clone()
         HANG.set()  # the straggler wakes and writes its row into the abandoned buffer, not the live one
-        time.sleep(0.3)
+        assert STRAGGLER_WROTE.wait(BOUND)
         assert torch.equal(runtime.buffer, live)
         mask = runtime.step(["slow", "c", "d"])
         after = reference.matcher(reference.compile(constraint))
@@ -361,7 +394,8 @@ def test_a_hung_fill_thread_fails_its_request_alone_and_the_runtime_keeps_servin
     finally:
         HANG.set()
         runtime.close()
-        HANG.clear()
+        for event in (HANG, HUNG_STARTED, STRAGGLER_WROTE):
+            event.clear()
 
 
 def _allowed(row) -> list[int]:

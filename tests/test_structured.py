@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import xgrammar as xgr
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -251,7 +252,7 @@ def compiled(vocab):
     return [None if c is None else c.compile(compiler) for c in POOL]
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(data=st.data())
 def test_mixed_batch_rows_equal_per_request_masks(vocab, compiled, data):
     V = vocab.vocab_size
@@ -320,7 +321,7 @@ def test_mixed_batch_rows_equal_per_request_masks(vocab, compiled, data):
 
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data())
 def test_reused_layouts_follow_finishes_joins_and_other_batches(vocab, compiled, data):
     """step() reuses a batch's layout while nothing changed (the decode loop's usual case);

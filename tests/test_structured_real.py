@@ -70,12 +70,10 @@ def _constraints(tok, name):
 
 
 @pytest.fixture(scope="module")
-def tokenizers():
-    return {
-        "tekken": from_mistral(mistral_data_file("tekken_240911.json")),
-        "sp3": from_mistral(mistral_data_file("mistral_instruct_tokenizer_240323.model.v3")),
-        "sp1": from_mistral(mistral_data_file("tokenizer.model.v1")),
-    }
+def tokenizers(mistral_tokenizers):
+    """Tekken, sentencepiece v3 and v1 (``from_mistral`` of the files mistral-common ships, built
+    once per session in conftest), in this order: ``models`` seeds each tiny Llama by it."""
+    return {name: mistral_tokenizers[name] for name in ("tekken", "sp3", "sp1")}
 
 
 @pytest.fixture(scope="module")

@@ -129,9 +129,16 @@ def sharded_program(vocab: int, tp: int, rank: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
+def plain_program(vocab: int):
+    """The unsharded greedy step, exported once (as ``nc.transform`` exports a module) for every reference."""
+    with torch.no_grad():
+        return torch.export.export(GreedyStep(model(vocab)), (random_ids(BATCH, SEQ, vocab),),
+                                   dynamic_shapes=({0: BATCH_DIM},))
+
+
+@functools.lru_cache(maxsize=None)
 def reference(vocab: int, tokenizer_vocab: int, fmt: str):
-    return nc.transform(GreedyStep(model(vocab)), (random_ids(BATCH, SEQ, vocab),), logit_mask=fmt,
-                        vocab_size=tokenizer_vocab, dynamic_shapes=({0: BATCH_DIM},))
+    return nc.transform(plain_program(vocab), logit_mask=fmt, vocab_size=tokenizer_vocab)
 
 
 def run_all_ranks(t, vocab: int, tp: int, ids: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -292,18 +299,27 @@ def test_one_xla_compilation_serves_every_rank():
 MP_CASES = {1024: [(1024, "packed"), (1000, "packed")], 1001: [(1001, "packed"), (1001, "bool")]}
 
 
-def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
-    torch.set_num_threads(1)
+# One spawn serves both world sizes (each process imports torch and transformers and builds
+# its decoders once): all 4 processes run a world of 4, then ranks 0 and 1 a fresh world of 2.
+MP_WORLDS = (4, 2)
+
+
+def _run_world(rank: int, world: int, rendezvous: str, out: str, cache: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
+        assert dist.get_world_size() == world
         results = {"codes": set(), "tokens": {}, "reference": {}}
         for vocab, cases in MP_CASES.items():
-            decoder = tiny_decoder("llama", vocab_size=vocab, **SMALL)
+            if vocab not in cache:  # the decoder, and rank 0's unsharded program: the same for every world
+                decoder = tiny_decoder("llama", vocab_size=vocab, **SMALL)
+                with torch.no_grad():
+                    plain = torch.export.export(GreedyStep(decoder), (random_ids(BATCH, SEQ, 1000),)) if rank == 0 else None
+                cache[vocab] = decoder, plain
+            decoder, plain = cache[vocab]
             step = VocabShardedGreedyStep(decoder, rank, world)
             ids = random_ids(BATCH, SEQ, 1000)
             with torch.no_grad():
                 program = torch.export.export(step, (ids,))
-                plain = torch.export.export(GreedyStep(decoder), (ids,)) if rank == 0 else None
             for tokenizer_vocab, fmt in cases:
                 t = nc.transform(program, logit_mask=fmt, vocab_size=tokenizer_vocab, tp_degree=world)
                 results["codes"].add(hashlib.sha256(t.program.graph_module.code.encode()).hexdigest())
@@ -317,22 +333,39 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
                     results["tokens"][key] = greedy_across_ranks(value, local, rank, step.shard_width)
                     if single is not None:
                         results["reference"][key] = single(ids, **kwargs)
-        torch.save(results, f"{out}/rank{rank}.pt")
+        torch.save(results, f"{out}/world{world}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_sharded_greedy_across_processes_matches_one_process(world, tmp_path):
-    processes = mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)),
-                                   nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
+def _worker(rank: int, worlds: tuple[int, ...], out: str) -> None:
+    torch.set_num_threads(1)
+    cache = {}
+    for world in worlds:
+        if rank < world:  # each world its own process group, over its own rendezvous file
+            _run_world(rank, world, f"{out}/rendezvous-{world}", out, cache)
+
+
+@pytest.fixture(scope="module")
+def across_processes(tmp_path_factory):
+    """``{world: [each rank's results]}`` for every world in ``MP_WORLDS``, from one spawn."""
+    out = tmp_path_factory.mktemp("gloo")
+    processes = mp.start_processes(_worker, args=(MP_WORLDS, str(out)), nprocs=max(MP_WORLDS), join=False,
+                                   start_method="spawn")
+    deadline = time.monotonic() + 300 * len(MP_WORLDS)
     while not processes.join(timeout=5):  # raises, with the worker's traceback, if one fails
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
-            pytest.fail(f"{world} gloo workers did not finish in 300 s")
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+            pytest.fail(f"gloo workers for worlds {MP_WORLDS} did not finish in {300 * len(MP_WORLDS)} s")
+    return {world: [torch.load(out / f"world{world}-rank{r}.pt", weights_only=False) for r in range(world)]
+            for world in MP_WORLDS}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_sharded_greedy_across_processes_matches_one_process(world, across_processes):
+    results = across_processes[world]
+    assert len(results) == world
     reference = results[0]["reference"]
     assert len(reference) == 4 * 5  # 4 (lm_head, vocab, format) cases x (2 random, all, worst only, omitted)
     for rank, result in enumerate(results):

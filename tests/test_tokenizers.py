@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import xgrammar as xgr
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.structured.tokenizers import (
-
-# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
-pytestmark = pytest.mark.torch_agnostic
     Tokenizer,
     TokenizerInfoError,
     audit,
@@ -23,12 +21,16 @@ pytestmark = pytest.mark.torch_agnostic
     mistral_data_file,
 )
 
+# what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic
+
 FILES = {"tekken": "tekken_240911.json", "sp1": "tokenizer.model.v1", "sp3": "mistral_instruct_tokenizer_240323.model.v3"}
 
 
 @pytest.fixture(scope="module")
-def mistral():
-    return {name: from_mistral(mistral_data_file(file)) for name, file in FILES.items()}
+def mistral(mistral_tokenizers):
+    """``from_mistral`` of each of FILES (built once per session, in conftest)."""
+    return {name: mistral_tokenizers[name] for name in FILES}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_control_tokens_are_never_grammar_text(mistral, name):
         assert [int(t) for t in controls if allowed[t] and int(t) not in stops] == []  # ... control tokens never
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40))
 def test_decode_is_the_text_the_grammar_sees(mistral, text):
     """encode -> decode, and decode equals the pieces the grammar matched, on all three tokenizers."""

@@ -8,11 +8,8 @@ happens without it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +19,9 @@ from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
 from neuron_constrain.xla import MissingDependencyError, example_inputs, hlo_parameters, lower, to_neff, to_xla
 from test_backend import BATCH, PADDED, SEQ, TAPS, VOCAB, check_cases
 from conftest import require_torch_xla
+from cli_runner import run_cli
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
-SCRIPT = Path(sys.executable).parent / "neuron-constrain"
 
 
 @pytest.fixture
@@ -40,7 +37,10 @@ def compilations(met) -> int:
     return 0 if data is None else data[0]
 
 
+@functools.lru_cache(maxsize=None)
 def exported_step(arch: str = "llama"):
+    """(model, ids, program), exported once per arch and shared by the tests: read them, never edit them
+    (``nc.transform`` and ``lower`` leave the program they are given as it was)."""
     model = tiny_decoder(arch, vocab_size=PADDED)
     ids = random_ids(BATCH, SEQ, VOCAB)
     with torch.no_grad():
@@ -173,13 +173,13 @@ def test_hlo_command_writes_the_rewritten_program(tmp_path, xla):
     path = tmp_path / "llama.rewritten.pt2"
     torch.export.save(nc.transform(program, vocab_size=VOCAB).program, path)
     out = tmp_path / "llama.hlo.txt"
-    env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    result = subprocess.run([str(SCRIPT), "hlo", str(path), "-o", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    # in-process cli.main; the installed console script's hlo runs in test_xla_plain_exports
+    result = run_cli("hlo", path, "-o", out)
     assert result.returncode == 0, result.stderr
     assert f"s32[{BATCH},32] logit_mask" in result.stdout, result.stdout  # the inputs' parameters are listed
     params = hlo_parameters(out.read_text())
     assert ("s32", (BATCH, 32)) in [(p.dtype, p.shape) for p in params]
-    to_stdout = subprocess.run([str(SCRIPT), "hlo", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    to_stdout = run_cli("hlo", path)
     assert to_stdout.returncode == 0 and to_stdout.stdout == out.read_text()
 
 
@@ -188,7 +188,7 @@ def test_hlo_command_without_torch_xla_says_what_to_install(tmp_path):
     _, _, program = exported_step()
     path = tmp_path / "llama.pt2"
     torch.export.save(program, path)
-    result = subprocess.run([str(SCRIPT), "hlo", str(path)], capture_output=True, text=True, timeout=300)
+    result = run_cli("hlo", path)  # in-process cli.main: torch-xla is absent from this interpreter too
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip() == (
         "neuron-constrain hlo: error: torch-xla is not installed: lowering to HLO needs it (pip install "
