@@ -101,6 +101,10 @@ def _check_layout(path: str, infos: list[zipfile.ZipInfo], central_directory: in
     ordered = sorted(infos, key=lambda i: i.header_offset)
     with open(path, "rb") as f:
         for info, following in zip(ordered, ordered[1:] + [None]):
+            if not 0 <= info.header_offset < central_directory:
+                raise LoadError(path, f"has its local header at byte {info.header_offset}, outside the entries "
+                                      f"(0..{central_directory}); the archive is corrupt or crafted; {RESAVE}",
+                                info.filename)
             f.seek(info.header_offset)
             header = f.read(30)
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
