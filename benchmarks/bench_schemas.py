@@ -208,7 +208,8 @@ def _timed_out(path: pathlib.Path, args) -> dict:
     """A file whose worker ran past the limit: ``refused`` if the policy refuses it (the limit was hit
     compiling it with unenforced="allow", to count what the refusal prevented), else ``timeout``."""
     judge = "llguidance" if args.engine == "auto" else args.engine  # auto refuses what llguidance (its fallback) does
-    found = K.find(json.loads(path.read_text())["schema"], judge) if args.unenforced == "refuse" else []
+    schema = json.loads(path.read_text())["schema"]
+    found = K.find(K.prepare(schema, judge), judge) if args.unenforced == "refuse" and isinstance(schema, dict) else []
     if found:
         return {"file": path.name, "status": "refused", "unenforced": [u.describe() for u in found],
                 "error": f"refused; compiling it anyway (unenforced='allow') ran over {args.timeout:.0f} s"}

@@ -143,7 +143,7 @@ def _ebnf_literal(text: str) -> str:
 
 
 def json_schema(
-    schema: dict | str,
+    schema: dict | bool | str,
     *,
     strict: bool = True,
     whitespace: str | None = None,
@@ -151,7 +151,8 @@ def json_schema(
     compact: bool | None = None,
     unenforced: str = "refuse",
 ) -> Constraint:
-    """Output is JSON valid against ``schema``.
+    """Output is JSON valid against ``schema`` (a dict; ``True``: any JSON value; ``False`` is refused
+    when compiled: no value satisfies it).
 
     ``whitespace``: ``"compact"`` (the default: ``", "`` and ``": "`` as ``json.dumps``
     writes them; the most accurate on SmolLM2 in ``benchmarks/bench_quality.py``), ``"none"``
@@ -169,8 +170,8 @@ def json_schema(
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             raise ConstraintError(f"the JSON schema is not JSON ({error}); pass a dict or a JSON string") from error
-    if not isinstance(schema, dict):
-        raise ConstraintError(f"a JSON schema is a dict, got {type(schema).__name__}")
+    if not isinstance(schema, (dict, bool)):
+        raise ConstraintError(f"a JSON schema is a dict (or true / false), got {type(schema).__name__}")
     if whitespace is None:
         whitespace = "compact" if compact is None else "none" if compact else "any"
     elif compact is not None:

@@ -31,6 +31,11 @@ ENGINE_CHOICES = ("auto", *ENGINES)  # what engine= takes
 _CLASSES = {"auto": AutoEngine, "xgrammar": XGrammarEngine, "llguidance": LLGuidanceEngine}
 
 
+def allowlists():
+    """What each engine enforces of JSON Schema (``keywords.Allowlist``), by engine name."""
+    return {name: _CLASSES[name].enforces for name in ENGINES}  # the same lists keywords.allowlists() holds
+
+
 def make_engine(name: str, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0) -> GrammarEngine:
     """The engine called ``name`` (one of :data:`ENGINE_CHOICES`) for ``tokenizer``'s vocabulary;
     ``fill_timeout``: the longest wait for one of its ``fill_threads`` (when there are several)."""
@@ -41,5 +46,5 @@ def make_engine(name: str, tokenizer, *, fill_threads: int = 1, fill_timeout: fl
 
 
 __all__ = ["AutoEngine", "Compiled", "ENGINES", "ENGINE_CHOICES", "FillTimeout", "GrammarEngine", "GrammarMatcher",
-           "LLGuidanceEngine", "LLGuidanceMatcher", "RowFillers", "XGrammarEngine", "check_rows", "ebnf_to_lark",
-           "make_engine"]
+           "LLGuidanceEngine", "LLGuidanceMatcher", "RowFillers", "XGrammarEngine", "allowlists", "check_rows",
+           "ebnf_to_lark", "make_engine"]

@@ -42,7 +42,7 @@ import torch
 
 from neuron_constrain.kernels import packed_width
 from neuron_constrain.structured import keywords
-from neuron_constrain.structured.constraints import Constraint
+from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 
 class GrammarMatcher(Protocol):
@@ -107,12 +107,19 @@ class GrammarEngine(abc.ABC):
         A JSON schema holding a keyword this engine would not enforce is refused
         (:meth:`keyword_policy`), unless the constraint opts in with ``unenforced="allow"``."""
 
-    def keyword_policy(self, constraint: Constraint) -> tuple[keywords.Unenforced, ...]:
-        """The never-silent policy: raises for a keyword this engine would not enforce, or
-        (``unenforced="allow"``) lists them."""
+    enforces: ClassVar[keywords.Allowlist | None] = None  # what this engine enforces of JSON Schema
+
+    def keyword_policy(self, constraint: Constraint) -> tuple[Constraint, tuple[keywords.Unenforced, ...]]:
+        """The never-silent policy: the constraint this engine compiles (a JSON schema rewritten by
+        :func:`keywords.prepare`), after raising for a keyword it would not enforce there or
+        (``unenforced="allow"``) listing them."""
         if constraint.kind != "json_schema":
-            return ()
-        return keywords.check(constraint.spec, self.name, constraint.unenforced)
+            return constraint, ()
+        schema = keywords.prepare(constraint.spec, self.enforces)
+        if schema is False:
+            raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
+        unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
+        return dataclasses.replace(constraint, spec=schema), unenforced
 
     @abc.abstractmethod
     def matcher(self, compiled: Compiled) -> GrammarMatcher:

@@ -28,6 +28,32 @@ from neuron_constrain.structured.engines.ebnf_to_lark import ebnf_to_lark, lark_
 from neuron_constrain.structured.engines.llguidance_tokenizer import import_llguidance, llguidance_tokenizer
 
 
+# --------------------------------------------------------------------------- what llguidance enforces
+# Its JSON compiler implements these (its json_schema.md) and fails on every other keyword
+# ("Unimplemented keys"); untyped assertions apply to their own type, siblings of anyOf/$ref
+# are intersected. Measured by tests/test_soundness.py on llguidance 1.9.1.
+_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+ENFORCES = keywords.register(keywords.Allowlist(
+    "llguidance",
+    (
+        *(keywords.Enforced(k) for k in ("type", "enum", "const", "anyOf")),
+        keywords.Enforced("oneOf", "disjoint branches (llguidance refuses the rest itself)", engine_decides=True),
+        keywords.Enforced("allOf", "where llguidance can intersect the branches (it refuses the rest itself)",
+                          engine_decides=True),
+        keywords.Enforced("$ref", "a pointer into the document (`$id`/`$anchor` refs rewritten to pointers)",
+                          keywords.local_ref),
+        *(keywords.Enforced(k) for k in ("minLength", "maxLength", "pattern")),
+        keywords.Enforced("format", "the formats below", keywords.known_format("llguidance", _FORMATS)),
+        *(keywords.Enforced(k, "everywhere", keywords.number(k)) for k in (
+            "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")),
+        *(keywords.Enforced(k) for k in ("items", "prefixItems", "minItems", "maxItems", "properties",
+                                         "additionalProperties", "required", "patternProperties")),
+    ),
+    _FORMATS,
+    evidence="llguidance's json_schema.md; tests/test_soundness.py (the differential test), llguidance 1.9.1",
+))
+
+
 class LLGuidanceEngine(GrammarEngine):
     """llguidance: JSON schema / regex / Lark grammars; matchers wrapped to xgrammar's behaviour."""
 
@@ -77,8 +103,11 @@ class LLGuidanceEngine(GrammarEngine):
         error = template.get_error() if template.is_error() else ""
         return template, " ".join(line.strip() for line in error.strip().splitlines()[:3] if line.strip())
 
+    enforces = ENFORCES
+
     def compile(self, constraint: Constraint) -> Compiled:
-        unenforced = self.keyword_policy(constraint)
+        original = constraint
+        constraint, unenforced = self.keyword_policy(constraint)
         options: dict = {}
         template, message = self._template(constraint, options)
         while message and constraint.kind == "json_schema":
@@ -97,7 +126,7 @@ class LLGuidanceEngine(GrammarEngine):
                 f"llguidance could not compile this {constraint.kind} constraint ({message[:400]}); fix the "
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
-        return Compiled(self.name, constraint, template, unenforced)
+        return Compiled(self.name, original, template, unenforced)
 
     def matcher(self, compiled: Compiled) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)

@@ -11,17 +11,157 @@ the GIL while it fills.
 """
 from __future__ import annotations
 
+import json
 import weakref
 from typing import Sequence
 
 import torch
 import xgrammar as xgr
 
+from neuron_constrain.structured import keywords as K
 from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, fill_each
 from neuron_constrain.structured.engines.fill_threads import RowFillers
 from neuron_constrain.structured.tokenizers import encode_continuation
 
 _ACCEPT = xgr.GrammarMatcher.accept_token
+
+
+# --------------------------------------------------------------------------- what xgrammar 0.2.8 enforces
+def _branch_key(branch):
+    """What tells a oneOf branch apart: its single JSON type, or its literal values."""
+    if not isinstance(branch, dict):
+        return None
+    if "const" in branch:
+        return ("values", (json.dumps(branch["const"], sort_keys=True),))
+    if isinstance(branch.get("enum"), list):
+        return ("values", tuple(json.dumps(v, sort_keys=True) for v in branch["enum"]))
+    kind = branch.get("type")
+    if isinstance(kind, str):
+        return ("type", ("number",) if kind == "integer" else (kind,))
+    return None
+
+
+def _discriminated(branches) -> bool:
+    """Object branches told apart by one required property with distinct const values."""
+    names = None
+    for branch in branches:
+        props = branch.get("properties") if isinstance(branch, dict) else None
+        if not isinstance(props, dict):
+            return False
+        consts = {k for k, v in props.items() if isinstance(v, dict) and "const" in v and k in branch.get("required", ())}
+        names = consts if names is None else names & consts
+    for name in sorted(names or ()):
+        values = [json.dumps(b["properties"][name]["const"], sort_keys=True) for b in branches]
+        if len(set(values)) == len(values):
+            return True
+    return False
+
+
+def _one_of_overlaps(node, root):
+    """xgrammar keeps oneOf exact only for provably disjoint branches (else anyOf, with a warning)."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2:
+        return None
+    keys = [_branch_key(b) for b in branches]
+    if all(k is not None for k in keys) and len({k[0] for k in keys}) == 1:
+        seen: set = set()
+        for _, values in keys:
+            if seen & set(values):
+                return "branches that may overlap: xgrammar compiles them as anyOf"
+            seen |= set(values)
+        return None
+    if _discriminated(branches):
+        return None
+    return "branches not provably disjoint (distinct types or literals, or a const discriminator): compiled as anyOf"
+
+
+# xgrammar compiles a node holding one of these alone, dropping every sibling assertion
+# (``schema_rewrite.distribute`` / ``narrow`` first move siblings where the meaning allows).
+_ALONE = ("$ref", "anyOf", "oneOf", "enum", "const")
+
+
+def _compiled_alone(keyword: str):
+    def unless(node, root):
+        present = [k for k in _ALONE if k in node]
+        if not present or (present == [keyword]):
+            return None
+        first = present[0] if present[0] != keyword else present[1]
+        return f"beside `{first}`, which xgrammar compiles alone (its sibling assertions are dropped)"
+    return unless
+
+
+def _required_in_properties(node, root):
+    required, properties = node.get("required"), node.get("properties") or {}
+    if isinstance(required, list) and any(name not in properties for name in required):
+        return "names a key absent from `properties` (xgrammar does not require it)"
+    return None
+
+
+def _no_pattern(node, root):
+    return "beside `pattern`, which xgrammar keeps alone (it warns)" if "pattern" in node else None
+
+
+def _integer_multiple(node, root):
+    value, kinds = node.get("multipleOf"), K.rewrite.declared_types(node) or frozenset()
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0 and kinds <= {"integer", "null"}:
+        return None
+    return "only an integer multipleOf of an integer type (a fractional step, or a number type, is not enforced)"
+
+
+def _allof_single(node, root):
+    branches = node.get("allOf")
+    return None if isinstance(branches, list) and len(branches) <= 1 else (
+        "branches sharing a keyword are not intersected")
+
+
+def _items_schema(node, root):
+    return None if isinstance(node.get("items"), (dict, bool)) else "`items` as a list (draft-2019 tuples)"
+
+
+_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer", "uuid"})
+
+
+def _entries():
+    def on(keyword, where, *conditions):
+        return K.Enforced(keyword, where, K.both(_compiled_alone(keyword), *conditions))
+    string, number = K.typed("string", "xgrammar"), K.typed("number", "xgrammar")
+    array, obj = K.typed("array", "xgrammar"), K.typed("object", "xgrammar")
+    typed_where = "typed"
+    return (
+        on("type", "not beside `$ref`/`anyOf`/`oneOf`/`enum`/`const` (siblings are moved into them)"),
+        on("enum", "alone (sibling assertions filter its values first)"),
+        on("const", "alone (sibling assertions filter it first)"),
+        on("anyOf", "alone (siblings moved into the branches)"),
+        on("oneOf", "provably disjoint branches, alone", _one_of_overlaps),
+        on("allOf", "one branch (branches without shared keywords are merged)", _allof_single),
+        on("$ref", "a pointer into the document, alone (`$id`/`$anchor` refs rewritten to pointers)", K.local_ref),
+        on("minLength", f"{typed_where}, not beside `pattern`", string, _no_pattern, K.count("minLength")),
+        on("maxLength", f"{typed_where}, not beside `pattern`", string, _no_pattern, K.count("maxLength")),
+        on("pattern", typed_where, string),
+        on("format", f"{typed_where}; the formats below", string, K.known_format("xgrammar", _FORMATS)),
+        *(on(k, typed_where, number, K.number(k)) for k in ("minimum", "maximum", "exclusiveMinimum",
+                                                             "exclusiveMaximum")),
+        on("multipleOf", "an integer step on an integer type", number, _integer_multiple),
+        on("items", f"{typed_where}, a schema", array, _items_schema),
+        on("prefixItems", typed_where, array),
+        on("unevaluatedItems", f"{typed_where}, with no `allOf` beside it", array,
+           lambda node, root: "beside `allOf`" if "allOf" in node else None),
+        on("minItems", typed_where, array, K.count("minItems")),
+        on("maxItems", typed_where, array, K.count("maxItems")),
+        on("properties", typed_where, obj),
+        on("additionalProperties", typed_where, obj),
+        on("required", f"{typed_where}, each name listed in `properties`", obj, _required_in_properties),
+        on("minProperties", typed_where, obj, K.count("minProperties")),
+        on("maxProperties", typed_where, obj, K.count("maxProperties")),
+        on("propertyNames", typed_where, obj),
+    )
+
+
+ENFORCES = K.register(K.Allowlist(
+    "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "narrow"),
+    evidence="tests/test_soundness.py (the differential test) and tests/test_keywords.py's probes, xgrammar 0.2.8",
+))
 
 
 class XGrammarEngine(GrammarEngine):
@@ -43,9 +183,11 @@ class XGrammarEngine(GrammarEngine):
         if self.fillers is not None:
             self.fillers.close()
 
+    enforces = ENFORCES
+
     def compile(self, constraint) -> Compiled:
-        unenforced = self.keyword_policy(constraint)
-        return Compiled(self.name, constraint, constraint.compile(self.compiler), unenforced)
+        prepared, unenforced = self.keyword_policy(constraint)
+        return Compiled(self.name, constraint, prepared.compile(self.compiler), unenforced)
 
     def matcher(self, compiled: Compiled) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled.grammar)

@@ -1,0 +1,263 @@
+"""Schema rewrites that keep a schema's meaning (every engine), and the narrowing some engines need.
+
+    schema = normalize(schema)      # same instances valid, in the form engines compile
+    schema = distribute(schema)     # siblings of anyOf/oneOf/allOf moved into the branches (same meaning)
+    schema = narrow(schema)         # an untyped node typed by its assertions (fewer valid instances, never more)
+
+``normalize`` (all engines): ``true`` subschemas become ``{}``; integer-valued limits written
+``2.0`` become ``2``; every ``$ref`` into the same document (``$id``-relative, ``$anchor``, a
+URN or absolute URI naming this document, JSON-pointer escapes ``~0`` ``~1`` ``%22``) is rewritten
+to a plain root pointer ``#/...`` (an alias under ``$defs`` where the pointer needs escapes), and
+the sub-resource ``$id`` / ``$anchor`` it resolved are dropped. A ``$ref`` to another document
+is left as written: no engine enforces it (keywords.py refuses it by name; nothing is fetched).
+
+``distribute`` (xgrammar, which drops the siblings of a combinator): ``{A, anyOf: [B, C]}``
+becomes ``{anyOf: [{A, B}, {A, C}]}`` (``oneOf`` alike; ``allOf: [B, C]`` with ``A`` becomes
+``{A, B, C}``) where no keyword collides; otherwise the node is left and the policy refuses it.
+
+``narrow`` (xgrammar, which compiles an untyped node as any value and drops its assertions):
+a node without ``type`` whose assertions all belong to one instance type gets that type, and
+an ``enum`` / ``const`` beside other assertions keeps only the values that satisfy them (checked
+with ``jsonschema``). The first is a narrowing, stated in the README: ``{"maxLength": 2}`` then
+refuses ``5``, which JSON Schema accepts; an accepted output is still always valid.
+"""
+from __future__ import annotations
+
+import copy
+import urllib.parse
+
+# Keywords that assert something of one instance type only (JSON Schema 2020-12, plus the earlier drafts' spellings).
+FAMILIES = {
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
+    "array": frozenset({"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
+                        "minContains", "maxContains", "unevaluatedItems"}),
+    "object": frozenset({"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                         "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                         "unevaluatedProperties"}),
+}
+FAMILY_TYPES = {"string": ("string",), "number": ("integer", "number"), "array": ("array",), "object": ("object",)}
+# Keywords that assert something of any instance; with FAMILIES, the vocabulary the allowlists judge.
+GENERIC = frozenset({"type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "$ref", "$dynamicRef",
+                     "$recursiveRef"})
+VOCABULARY = GENERIC | frozenset().union(*FAMILIES.values())
+LIMITS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+          "maxContains")
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+               "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def children(node: dict):
+    """``(pointer suffix, container, key)`` of every subschema position directly under ``node``."""
+    for key in _SCHEMA_MAPS:
+        value = node.get(key)
+        if isinstance(value, dict):
+            for name in value:
+                yield f"/{key}/{escape(name)}", value, name
+    for key in _SCHEMA_ONE:
+        if key in node and not isinstance(node[key], list):
+            yield f"/{key}", node, key
+    for key in _SCHEMA_LISTS:
+        value = node.get(key)
+        if isinstance(value, list):
+            for index in range(len(value)):
+                yield f"/{key}/{index}", value, index
+    dependencies = node.get("dependencies")
+    if isinstance(dependencies, dict):
+        for name, sub in dependencies.items():
+            if isinstance(sub, (dict, bool)):
+                yield f"/dependencies/{escape(name)}", dependencies, name
+
+
+def walk(schema, path: str = "#"):
+    """Every schema object in ``schema`` with its JSON pointer (``#`` is the root)."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for suffix, container, key in children(schema):
+        yield from walk(container[key], path + suffix)
+
+
+def declared_types(node: dict) -> frozenset | None:
+    kind = node.get("type")
+    if isinstance(kind, str):
+        return frozenset({kind})
+    if isinstance(kind, list) and all(isinstance(k, str) for k in kind):
+        return frozenset(kind)
+    return None
+
+
+# --------------------------------------------------------------------------- normalize
+def normalize(schema):
+    """``schema`` in the form engines compile, its meaning kept (a deep copy; see the module docstring)."""
+    schema = copy.deepcopy(schema)
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        return schema
+    _true_subschemas(schema)
+    for _, node in walk(schema):
+        for key in LIMITS:
+            value = node.get(key)
+            if isinstance(value, float) and value.is_integer() and value >= 0:
+                node[key] = int(value)
+    _local_refs(schema)
+    return schema
+
+
+def _true_subschemas(node: dict) -> None:
+    for _, container, key in list(children(node)):
+        if container[key] is True and key not in ("additionalProperties", "items", "unevaluatedItems",
+                                                  "unevaluatedProperties", "additionalItems"):
+            container[key] = {}
+        elif isinstance(container[key], dict):
+            _true_subschemas(container[key])
+
+
+def _resources(schema: dict):
+    """Absolute URI of every ``$id`` and ``$anchor`` -> the pointer of its node; each node's base URI."""
+    root_base = schema.get("$id") if isinstance(schema.get("$id"), str) else ""
+    targets, bases = {urllib.parse.urldefrag(root_base)[0]: "#"}, {}
+
+    def visit(node, path, base):
+        if isinstance(node.get("$id"), str) and path != "#":
+            base = urllib.parse.urljoin(base, node["$id"])
+            targets.setdefault(urllib.parse.urldefrag(base)[0], path)
+        bases[path] = base
+        for key in ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(key), str):
+                targets.setdefault(urllib.parse.urldefrag(base)[0] + "#" + node[key], path)
+        for suffix, container, key in children(node):
+            if isinstance(container[key], dict):
+                visit(container[key], path + suffix, base)
+    visit(schema, "#", root_base)
+    return targets, bases
+
+
+def _node_at(schema: dict, pointer: str):
+    node = schema
+    for part in pointer.lstrip("#").split("/")[1:]:
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-$/#")
+
+
+def _local_refs(schema: dict) -> None:
+    targets, bases = _resources(schema)
+    aliases: dict[str, str] = {}
+    rewrote = False
+    for path, node in list(walk(schema)):
+        ref = node.get("$ref")
+        if not isinstance(ref, str):
+            continue
+        resolved = urllib.parse.urljoin(bases.get(path, ""), ref) if bases.get(path) else ref
+        uri, fragment = urllib.parse.urldefrag(resolved)
+        if uri not in targets:
+            continue  # another document: left for the policy to refuse by name
+        if fragment and not fragment.startswith("/"):
+            pointer = targets.get(uri + "#" + fragment)
+            if pointer is None:
+                continue  # an anchor nobody declares: unresolvable, refused by the policy
+        else:
+            pointer = targets[uri] + fragment
+        target = _node_at(schema, pointer)
+        if target is None or not isinstance(target, (dict, bool)):
+            continue
+        if set(pointer) <= _PLAIN:
+            node["$ref"] = pointer
+        else:
+            name = aliases.setdefault(pointer, f"__ref{len(aliases)}")
+            node["$ref"] = f"#/$defs/{name}"
+        rewrote = rewrote or node["$ref"] != ref
+    if aliases:
+        defs = schema.setdefault("$defs", {})
+        for pointer, name in aliases.items():
+            defs[name] = _node_at(schema, pointer)  # the same object: meaning shared, written once per use
+    if rewrote or aliases:
+        for path, node in walk(schema):
+            if path != "#":
+                node.pop("$id", None)
+                node.pop("$anchor", None)
+
+
+# --------------------------------------------------------------------------- xgrammar's rewrites
+_ANNOTATIONS_AT_NODE = frozenset({"$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title",
+                                  "description", "default", "examples"})
+
+
+_UNEVALUATED = frozenset({"unevaluatedItems", "unevaluatedProperties"})
+
+
+def distribute(schema):
+    """Siblings of ``anyOf``/``oneOf`` moved into every branch, ``allOf`` branches merged, where no keyword
+    collides (never beside ``unevaluated*``, whose meaning depends on what each branch evaluates)."""
+    for _, node in list(walk(schema)):
+        if _UNEVALUATED & set(node):
+            continue
+        branches = node.get("allOf")
+        if isinstance(branches, list) and all(isinstance(b, dict) for b in branches):
+            merged = {k: v for k, v in node.items() if k != "allOf"}
+            if all(not _UNEVALUATED & set(b) and not _merge_into(merged, b) for b in branches):
+                node.clear()
+                node.update(merged)
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key)
+            siblings = {k: v for k, v in node.items() if k in VOCABULARY and k not in ("anyOf", "oneOf")}
+            if not isinstance(branches, list) or not siblings or not all(isinstance(b, dict) for b in branches):
+                continue
+            if any(set(b) & set(siblings) for b in branches) or ("anyOf" in node and "oneOf" in node):
+                continue
+            node[key] = [{**copy.deepcopy(siblings), **b} for b in branches]
+            for k in siblings:
+                del node[k]
+    return schema
+
+
+def _merge_into(merged: dict, branch: dict) -> bool:
+    """Merge ``branch`` into ``merged``; True if a keyword collided (then ``merged`` is not usable)."""
+    for key, value in branch.items():
+        if key in merged and key not in _ANNOTATIONS_AT_NODE:
+            return True
+        if key in ("$defs", "definitions") and key in merged:
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return False
+
+
+def narrow(schema, validate_value):
+    """Untyped nodes typed by their assertions; enum/const filtered by their siblings (``validate_value(node, v)``)."""
+    for _, node in walk(schema):
+        families = {f for f, words in FAMILIES.items() if words & set(node)}
+        if "type" not in node and len(families) == 1 and not {"anyOf", "oneOf", "allOf", "$ref", "not", "if"} & set(node):
+            node["type"] = FAMILY_TYPES[families.pop()][-1]  # "number" covers integers
+        for key in ("enum", "const"):
+            if key not in node:
+                continue
+            rest = {k: v for k, v in node.items() if k in VOCABULARY and k != key}
+            if not rest or {"$ref", "anyOf", "oneOf", "allOf", "not", "if"} & set(rest):
+                continue
+            values = node[key] if key == "enum" else [node[key]]
+            if not isinstance(values, list):
+                continue
+            kept = [v for v in values if validate_value(rest, v)]
+            for k in rest:
+                del node[k]
+            node["enum"] = kept
+            node.pop("const", None)
+    return schema

@@ -1,0 +1,143 @@
+"""Never silently wrong, found by the test itself: schemas drawn from JSON Schema's whole keyword
+vocabulary (``neuron_constrain.testing.schemas``), instances around them, and every engine judged by
+``jsonschema``: an instance the grammar accepts must be valid, or the schema must have been refused.
+
+Each region of the vocabulary is its own test, so a hole names its class: assertions on untyped
+schemas (``untyped``), ``$ref`` forms that are not plain local pointers (``references``),
+``unevaluatedItems`` and other applicators engines drop (``applicators``), combinators, typed
+assertions. ``make test-long`` (``--hypothesis-profile=long``) runs ten times the examples;
+``benchmarks/bench_soundness.py`` counts refusals and over-restriction as well.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
+from neuron_constrain.testing import toy_tokenizer
+from neuron_constrain.testing.schemas import differential, schema_and_instances
+from tests.conftest import examples
+
+# host-side: the same on every torch (the main lane runs it)
+pytestmark = pytest.mark.torch_agnostic
+
+
+@pytest.fixture(scope="module")
+def toy_engines():
+    """Every engine choice on a byte-level vocabulary: each instance is a few dozen tokens."""
+    vocabulary = toy_tokenizer()
+    return {name: E.make_engine(name, vocabulary) for name in E.ENGINE_CHOICES}
+
+
+SETTINGS = settings(max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _judge(engines, case):
+    schema, instances = case
+    for name, engine in engines.items():
+        verdict = differential(engine, schema, instances)
+        assert not verdict.unsound, (  # a class the issue found: the examples above pin one of each
+            f"{name} compiled {json.dumps(schema)} and accepted instances jsonschema calls invalid: {verdict.unsound[:3]}")
+
+
+@SETTINGS
+@example(case=({"type": "string", "enum": ["a", 1]}, [1, "a"]))
+@example(case=({"type": "number", "multipleOf": 0.5}, [0.3, 1.5]))
+@given(case=schema_and_instances("typed"))
+def test_typed_assertions_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+@SETTINGS
+@example(case=({"maxLength": 2}, ["foo", "ab", 5]))
+@example(case=({"minimum": 3, "maxItems": 1}, [1, 4, [1, 2], "x"]))
+@given(case=schema_and_instances("untyped"))
+def test_untyped_assertions_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+@SETTINGS
+@example(case=({"type": "object", "anyOf": [{"type": ["string", "null"]}]}, [None, "a", {}]))
+@given(case=schema_and_instances("combinators"))
+def test_combinators_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+@SETTINGS
+@example(case=({"$id": "https://example.com/root.json", "$defs": {"d": {"$id": "d.json", "type": "integer"}}, "$ref": "d.json"}, ["x", 1]))
+@example(case=({"$defs": {"d": {"$anchor": "here", "type": "integer"}}, "$ref": "#here"}, ["x", 1]))
+@example(case=({"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, ["x", 1]))
+@example(case=({"$ref": "https://example.com/elsewhere.json"}, ["x", 1]))
+@given(case=schema_and_instances("references"))
+def test_references_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+@SETTINGS
+@example(case=({"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False}, [[1, 2], [1]]))
+@given(case=schema_and_instances("applicators"))
+def test_applicators_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+# ---- rewrites that keep the meaning (schema_rewrite.normalize), each on every engine
+def _verdicts(engines, schema, instances):
+    return {name: differential(engine, schema, instances) for name, engine in engines.items()}
+
+
+@pytest.mark.parametrize("schema, valid, invalid", [
+    (True, [5, {"a": [1, None]}, "x"], []),
+    ({"type": "object", "properties": {"a": True}, "required": ["a"]}, [{"a": 5}, {"a": "x"}], [{}]),
+    ({"type": "string", "maxLength": 2.0, "minLength": 1.0}, ["ab", "a"], ["abc", ""]),
+    ({"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, [1], ["x"]),
+    ({"$defs": {"a~b": {"type": "integer"}}, "$ref": "#/$defs/a~0b"}, [1], ["x"]),
+    ({"$defs": {'a"b': {"type": "integer"}}, "$ref": "#/$defs/a%22b"}, [1], ["x"]),
+    ({"$id": "https://example.com/root.json", "$defs": {"d": {"$id": "d.json", "type": "integer"}}, "$ref": "d.json"},
+     [1], ["x"]),
+    ({"$defs": {"d": {"$anchor": "here", "type": "integer"}}, "$ref": "#here"}, [1], ["x"]),
+    ({"$id": "urn:example:root", "$defs": {"d": {"type": "integer"}}, "$ref": "urn:example:root#/$defs/d"}, [1], ["x"]),
+], ids=["true", "true-subschema", "float-limits", "pointer-slash", "pointer-tilde", "pointer-percent", "id-relative",
+        "anchor", "urn"])
+def test_rewrites_that_keep_the_meaning_compile_and_enforce_on_every_engine(toy_engines, schema, valid, invalid):
+    """Each of these was a compile error or a silent hole on some engine; now every engine compiles
+    it, takes every valid instance and refuses every invalid one."""
+    for name, verdict in _verdicts(toy_engines, schema, valid + invalid).items():
+        assert verdict.refused is None, (name, verdict.refused)
+        assert not verdict.unsound and not verdict.over_restricted, (name, verdict)
+        assert verdict.accepted_valid == len(valid), (name, verdict)
+
+
+def test_false_schema_and_remote_refs_are_refused_by_name(toy_engines):
+    for name, engine in toy_engines.items():
+        with pytest.raises(S.ConstraintError, match="`false`: no output is valid"):
+            engine.compile(S.json_schema(False))
+        with pytest.raises(S.ConstraintError) as info:
+            engine.compile(S.json_schema({"$ref": "https://example.com/elsewhere.json#/x"}))
+        message = str(info.value)
+        assert "https://example.com/elsewhere.json#/x" in message and "never fetched" in message, (name, message)
+
+
+def test_untyped_assertions_are_narrowed_on_xgrammar_and_exact_on_llguidance(toy_engines):
+    """The documented over-restriction: xgrammar types an untyped node by its assertions (5 is refused
+    though JSON Schema accepts it); llguidance keeps JSON Schema's meaning. Neither accepts "abc"."""
+    verdicts = _verdicts(toy_engines, {"maxLength": 2}, ["ab", "abc", 5])
+    assert verdicts["xgrammar"].over_restricted == ["5"] and verdicts["xgrammar"].accepted_valid == 1
+    assert not verdicts["llguidance"].over_restricted and verdicts["llguidance"].accepted_valid == 2
+    assert all(not v.unsound for v in verdicts.values())
+    assert toy_engines["auto"].compile(S.json_schema({"maxLength": 2})).engine == "xgrammar"
+
+
+def test_the_readme_guarantee_table_is_the_lists():
+    """The README's table is generated from the allowlists: a list changed without the README fails here."""
+    import pathlib
+
+    from neuron_constrain.structured import keywords as K
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    copy = readme.split("<!-- guarantee-table:start -->\n")[1].split("\n<!-- guarantee-table:end -->")[0]
+    assert copy == K.guarantee_table(), "regenerate the README's table: python -c 'from neuron_constrain.structured " \
+        "import keywords as K; print(K.guarantee_table())'"
