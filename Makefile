@@ -16,7 +16,7 @@ PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-latest test-long test-vllm serve bench bench-vllm clean
+.PHONY: demo test test-latest test-latest-heavy test-latest-rest test-long test-vllm serve bench bench-vllm clean
 
 .venv/.installed: setup.cfg pyproject.toml
 	test -d .venv || $(PYTHON) -m venv .venv
@@ -51,8 +51,17 @@ test: .venv/.installed build/smollm2/.built
 # The latest lane runs what the torch version can change (export, the passes, the programs, compiled
 # and eager numerics); host-side tests (marked torch_agnostic: grammar engines, tokenizers, the
 # runtime state machine, the source layout) run on the main lane only.
+LATEST_PYTEST := .venv-latest/bin/python -m pytest -q --ignore=tests/vllm -m 'not torch_agnostic'
 test-latest: .venv-latest/.installed build/smollm2/.built
-	.venv-latest/bin/python -m pytest -q --ignore=tests/vllm -m 'not torch_agnostic' $(PYTEST_ARGS)
+	$(LATEST_PYTEST) $(PYTEST_ARGS)
+
+# The latest lane in two parts, so CI can pack its three lanes on two cores: the files that take
+# longest (SmolLM2, Inductor, gloo, the CLI), then the rest. Together they are test-latest.
+LATEST_HEAVY := tests/test_models_smollm2.py tests/test_backend.py tests/test_tensor_parallel.py tests/test_cli.py
+test-latest-heavy: .venv-latest/.installed build/smollm2/.built
+	$(LATEST_PYTEST) $(LATEST_HEAVY) $(PYTEST_ARGS)
+test-latest-rest: .venv-latest/.installed build/smollm2/.built
+	$(LATEST_PYTEST) $(addprefix --ignore=,$(LATEST_HEAVY)) $(PYTEST_ARGS)
 
 # Hypothesis at ten times the CI budget with fresh random examples (the CI profile is derandomized).
 test-long: .venv/.installed build/smollm2/.built
