@@ -32,7 +32,7 @@ def toy_engines():
     return {name: E.make_engine(name, vocabulary) for name in E.ENGINE_CHOICES}
 
 
-SETTINGS = settings(max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture,
+SETTINGS = settings(max_examples=examples(40), suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -122,6 +122,11 @@ def local_ref(node, root) -> str | None:
     return None
 
 
+def schema_items(node, root) -> str | None:
+    """``items`` is one schema (2020-12), not draft-2019's list of tuple positions."""
+    return None if isinstance(node.get("items"), (dict, bool)) else "`items` as a list (draft-2019 tuples)"
+
+
 def count(keyword: str) -> Unless:
     def unless(node, root):
         value = node.get(keyword)

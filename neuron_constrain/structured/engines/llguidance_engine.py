@@ -46,7 +46,8 @@ ENFORCES = keywords.register(keywords.Allowlist(
         keywords.Enforced("format", "the formats below", keywords.known_format("llguidance", _FORMATS)),
         *(keywords.Enforced(k, "everywhere", keywords.number(k)) for k in (
             "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")),
-        *(keywords.Enforced(k) for k in ("items", "prefixItems", "minItems", "maxItems", "properties",
+        keywords.Enforced("items", "a schema", keywords.schema_items),
+        *(keywords.Enforced(k) for k in ("prefixItems", "minItems", "maxItems", "properties",
                                          "additionalProperties", "required", "patternProperties")),
     ),
     _FORMATS,

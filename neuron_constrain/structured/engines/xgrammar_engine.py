@@ -114,10 +114,6 @@ def _allof_single(node, root):
         "branches sharing a keyword are not intersected")
 
 
-def _items_schema(node, root):
-    return None if isinstance(node.get("items"), (dict, bool)) else "`items` as a list (draft-2019 tuples)"
-
-
 _FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                       "uri-reference", "uri-template", "json-pointer", "relative-json-pointer", "uuid"})
 
@@ -143,7 +139,7 @@ def _entries():
         *(on(k, typed_where, number, K.number(k)) for k in ("minimum", "maximum", "exclusiveMinimum",
                                                              "exclusiveMaximum")),
         on("multipleOf", "an integer step on an integer type", number, _integer_multiple),
-        on("items", f"{typed_where}, a schema", array, _items_schema),
+        on("items", f"{typed_where}, a schema", array, K.schema_items),
         on("prefixItems", typed_where, array),
         on("unevaluatedItems", f"{typed_where}, with no `allOf` beside it", array,
            lambda node, root: "beside `allOf`" if "allOf" in node else None),
