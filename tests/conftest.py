@@ -34,6 +34,19 @@ LANE = os.environ.get("NEURON_CONSTRAIN_LANE") or (
     "main" if importlib.metadata.version("torch").startswith("2.9.") else "latest")
 
 
+def pytest_collection_modifyitems(config, items):
+    """A host-side test (``torch_agnostic``: its outcome does not depend on torch) runs on one lane only:
+    the main lane, or the lane its marker names (``pytest.mark.torch_agnostic(lane="latest")``, to even
+    out the lanes' times). The other lane lists it as deselected. Unmarked tests run on every lane."""
+    keep, elsewhere = [], []
+    for item in items:
+        mark = item.get_closest_marker("torch_agnostic")
+        (elsewhere if mark is not None and mark.kwargs.get("lane", "main") != LANE else keep).append(item)
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = keep
+
+
 def require_torch_xla():
     """``torch_xla``, imported. On the main lane a missing torch-xla fails the test (the
     lane installs it: a skip would hide that it broke); on the other lanes, which do not

@@ -21,8 +21,8 @@ from neuron_constrain.testing import toy_tokenizer
 from neuron_constrain.testing.schemas import differential, schema_and_instances
 from tests.conftest import examples
 
-# host-side: the same on every torch (the main lane runs it)
-pytestmark = pytest.mark.torch_agnostic
+# host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
+pytestmark = pytest.mark.torch_agnostic(lane="latest")
 
 
 @pytest.fixture(scope="module")
