@@ -2,20 +2,23 @@
 
     python -m vllm.entrypoints.openai.api_server --model DIR --enforce-eager \\
         --worker-cls neuron_constrain.vllm.worker.NeuronConstrainWorker \\
-        --logits-processors neuron_constrain.vllm.validate:RequestValidator
+        --logits-processors neuron_constrain.vllm.validate:RequestValidator \\
+        --scheduler-cls neuron_constrain.vllm.scheduler.NeuronConstrainScheduler
 
-``server_args()`` returns those two flags. See the README, "Serving with vLLM".
+``server_args()`` returns those three flags. See the README, "Serving with vLLM".
 This module imports no vLLM code (the frontend imports only ``validate``).
 """
 from __future__ import annotations
 
 import importlib.metadata
 
-__all__ = ["SUPPORTED_VLLM", "WORKER_CLS", "VALIDATOR", "server_args", "check_vllm_version"]
+__all__ = ["SUPPORTED_VLLM", "WORKER_CLS", "VALIDATOR", "SCHEDULER_CLS", "server_args", "check_vllm_version"]
 
 SUPPORTED_VLLM = ("0.32.0",)
 WORKER_CLS = "neuron_constrain.vllm.worker.NeuronConstrainWorker"
 VALIDATOR = "neuron_constrain.vllm.validate:RequestValidator"
+# The engine core's scheduler: installs the library's grammar backend and validates finished answers.
+SCHEDULER_CLS = "neuron_constrain.vllm.scheduler.NeuronConstrainScheduler"
 # Debug switch for the negative control: feed an all-allowed mask (grammars NOT enforced).
 ALL_ALLOWED_ENV = "NEURON_CONSTRAIN_VLLM_ALL_ALLOWED_MASK"
 # Where the worker writes its counters (JSON, rewritten by a writer thread ~50 ms after steps):
@@ -29,7 +32,7 @@ MAX_TOP_K = 256          # sampling candidates (top_k <= this; top_p acts within
 
 
 def server_args() -> list[str]:
-    return ["--worker-cls", WORKER_CLS, "--logits-processors", VALIDATOR]
+    return ["--worker-cls", WORKER_CLS, "--logits-processors", VALIDATOR, "--scheduler-cls", SCHEDULER_CLS]
 
 
 def vllm_version() -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from neuron_constrain.vllm import VALIDATOR
+from neuron_constrain.vllm import SCHEDULER_CLS, VALIDATOR
 
 log = logging.getLogger("vllm.neuron_constrain")
 
@@ -50,6 +50,16 @@ def check_config(vllm_config) -> None:
             f"start the server with --logits-processors {VALIDATOR}: it rejects, per request and before the "
             "engine sees it, the sampling parameters the plugin's head cannot do (otherwise such a request "
             "would fail inside the worker and stop the engine for every request)"
+        )
+    scheduler = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    scheduler = scheduler if scheduler is None or isinstance(scheduler, str) else \
+        f"{scheduler.__module__}.{scheduler.__qualname__}"
+    if scheduler != SCHEDULER_CLS:
+        got = scheduler or "vLLM's default"
+        raise ConfigError(
+            f"start the server with --scheduler-cls {SCHEDULER_CLS} (got {got}): it "
+            "compiles every structured request with the library's grammar engines and keyword policy, and checks "
+            "finished answers; without it vLLM's own backend builds the grammars the plugin would apply"
         )
     if model.logprobs_mode not in ("raw_logprobs",):
         raise ConfigError(

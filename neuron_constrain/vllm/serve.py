@@ -32,6 +32,9 @@ CHAT_TEMPLATE = pathlib.Path(__file__).with_name("smollm2_tools.jinja")
 # real model keeps its habit of pretty-printed JSON (forcing none changes its answers)
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 REAL_MODEL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": False}
+# With the plugin the engine's grammars are the library's (scheduler.py): vLLM's "backend" then only decides
+# what vLLM's own frontend validation refuses before the plugin's policy runs, and which engine-wide whitespace
+# option vLLM accepts (disable_any_whitespace needs "xgrammar" or "guidance", not "auto").
 
 
 def command(model: str, port: int, *, plugin: bool = True, max_num_seqs: int = 8, max_model_len: int = 512,

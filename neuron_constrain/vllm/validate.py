@@ -6,6 +6,13 @@ hook, which vLLM calls for every request at admission: a ``VLLMValidationError``
 becomes an HTTP 400 naming the parameter, for that request alone. The worker never
 raises for a request's parameters (an exception there stops the engine for all).
 The processor itself does nothing to logits (the plugin's head samples every token).
+
+It also applies the library's structured-outputs policy (``policy.admit``) to every
+constrained request: a schema holding a keyword no engine enforces, or a constraint
+neither engine reads, gets a 400 naming the keyword and its JSON pointer before any
+token is generated. vLLM calls ``validate_params`` after its own structured-output
+validation (``InputProcessor._validate_params``: ``params.verify(...)``, then the logits
+processors' hooks), so what vLLM itself refuses keeps vLLM's 400.
 """
 from __future__ import annotations
 
@@ -16,6 +23,10 @@ from neuron_constrain.vllm import MAX_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_K
 check_vllm_version()
 
 from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.v1.structured_output.request import get_structured_output_key  # noqa: E402
+
+from neuron_constrain.structured import ConstraintError  # noqa: E402
+from neuron_constrain.vllm import policy  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 
@@ -58,12 +69,29 @@ def check_request(params) -> None:
                 "come on top); send fewer stop ids or drop min_tokens")
 
 
+def check_structured(params) -> None:
+    """Raise ``VLLMValidationError`` (HTTP 400) for a constrained request the library's policy refuses:
+    a keyword no engine enforces (named with its JSON pointer) or a constraint no engine reads."""
+    so = params.structured_outputs
+    if so is None or so.all_constraints_none():
+        return
+    request_type, spec = get_structured_output_key(so)
+    kind = request_type.name.lower()
+    try:
+        policy.admit(policy.from_vllm(kind, spec))
+    except ConstraintError as error:
+        item = getattr(error, "unenforced", None)
+        raise VLLMValidationError(policy.refusal_message(error), parameter=f"structured_outputs.{kind}",
+                                  value=None if item is None else f"{item.keyword} at {item.path}") from None
+
+
 class RequestValidator(LogitsProcessor):
     """A no-op vLLM logits processor whose ``validate_params`` is :func:`check_request`."""
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         check_request(sampling_params)
+        check_structured(sampling_params)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         pass

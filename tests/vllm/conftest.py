@@ -102,6 +102,18 @@ class Server:
         time.sleep(METRICS_SETTLE)
         return json.loads(path.read_text())
 
+    def engine_metrics(self) -> dict:
+        """The plugin scheduler's counters (engine-core process): grammars per engine, finished
+        answers validated / invalid (``<metrics file>.engine``, written like the worker's)."""
+        import json
+
+        path = self.metrics_path.with_name(self.metrics_path.name + ".engine")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (not path.exists() or time.time() - path.stat().st_mtime < METRICS_SETTLE):
+            time.sleep(0.05)
+        time.sleep(METRICS_SETTLE)
+        return json.loads(path.read_text())
+
     def prometheus(self, name: str) -> float:
         """The sum of a counter in vLLM's ``/metrics`` (e.g. ``vllm:spec_decode_num_accepted_tokens_total``)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:

@@ -23,6 +23,7 @@ def _config(**over):
         speculative_config=None,
         parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         use_v2_model_runner=False,
+        scheduler_config=types.SimpleNamespace(scheduler_cls=ncv.SCHEDULER_CLS),
         model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR], logprobs_mode="raw_logprobs",
                                            max_logprobs=20),
     )
@@ -46,6 +47,8 @@ def test_check_config():
     with pytest.raises(ConfigError, match="--logits-processors neuron_constrain.vllm.validate:RequestValidator"):
         check_config(_config(model_config=types.SimpleNamespace(logits_processors=None, logprobs_mode="raw_logprobs",
                                                                 max_logprobs=20)))
+    with pytest.raises(ConfigError, match="--scheduler-cls neuron_constrain.vllm.scheduler.NeuronConstrainScheduler"):
+        check_config(_config(scheduler_config=types.SimpleNamespace(scheduler_cls=None)))
     with pytest.raises(ConfigError, match="raw_logprobs"):
         check_config(_config(model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR],
                                                                 logprobs_mode="processed_logprobs", max_logprobs=20)))

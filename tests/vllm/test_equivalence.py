@@ -1,5 +1,7 @@
 """Greedy outputs are token-identical to stock vLLM (same model, same requests, plugin off),
-unconstrained and constrained."""
+unconstrained and constrained (on constraints the library compiles on xgrammar, as stock vLLM does:
+the same grammar over vLLM's own token table; what the library sends to llguidance instead, such
+as vLLM's ``tool_choice="required"`` schema, is checked for validity in test_serving/test_soundness)."""
 from __future__ import annotations
 
 import pytest
@@ -26,8 +28,8 @@ def _requests():
     reqs += [
         ("chat", dict(messages=msg, max_tokens=32, extra_body={"structured_outputs": {"regex": REGEX}})),
         ("chat", dict(messages=msg, max_tokens=8, extra_body={"structured_outputs": {"choice": CHOICES}})),
-        ("chat", dict(messages=msg, max_tokens=64, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                      frequency_penalty=1.5)),
+        ("chat", dict(messages=msg, max_tokens=64, tools=TOOLS, tool_choice={"type": "function", "function": {
+            "name": "search"}}, frequency_penalty=1.5)),
         ("chat", dict(messages=msg, max_tokens=24, presence_penalty=0.5, extra_body={"repetition_penalty": 1.2})),
         ("chat", dict(messages=msg, max_tokens=16, logit_bias={"1000": 5.0, "2000": 8.0},
                       extra_body={"min_tokens": 10})),

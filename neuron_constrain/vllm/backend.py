@@ -1,0 +1,212 @@
+"""vLLM's structured-output backend, built on the library's grammar engines (engine-core process).
+
+vLLM 0.32 holds ONE grammar backend per engine (``StructuredOutputManager.grammar_init``,
+vllm/v1/structured_output/__init__.py: "We do NOT support different backends on a
+per-request basis"), chosen from the first structured request. So the plugin cannot
+pick vLLM's ``xgrammar`` or ``guidance`` backend per request; instead its scheduler
+(``scheduler.py``) installs this backend before any request, and every request's grammar
+is the library's:
+
+    constraint = policy.from_vllm(kind, spec)     # the request as a library Constraint
+    compiled = AutoEngine.compile(constraint)     # xgrammar where it enforces all of it, else llguidance,
+                                                  # else ConstraintError (the frontend refused it with a 400 first)
+
+vLLM's manager then fills its bitmask rows, accepts, validates drafts and rolls back
+through the grammar objects returned here, exactly as with its own backends. An
+xgrammar grammar is vLLM's own ``XgrammarGrammar`` around the library's compiled grammar
+(the same matcher options vLLM uses); an llguidance grammar is the library's
+``LLGuidanceMatcher`` behind vLLM's grammar interface. The token table is vLLM's own
+(``xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size)``, as vLLM's xgrammar
+backend builds it), so a grammar both compile alike gives the same masks as stock vLLM.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import torch
+import xgrammar as xgr
+
+from neuron_constrain.vllm import check_vllm_version
+from neuron_constrain.vllm import policy
+
+check_vllm_version()
+
+from vllm.tokenizers import TokenizerLike  # noqa: E402,F401
+from vllm.utils.mistral import is_mistral_tokenizer  # noqa: E402
+from vllm.v1.structured_output.backend_types import (  # noqa: E402
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputOptions,
+)
+from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
+
+log = logging.getLogger("vllm.neuron_constrain")
+
+_CACHE = 256  # compiled grammars kept (per constraint key)
+
+
+def vllm_tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """The token table vLLM's xgrammar backend builds (backend_xgrammar.py ``__post_init__``)."""
+    if is_mistral_tokenizer(tokenizer):
+        return xgr.TokenizerInfo(
+            encoded_vocab=tokenizer.vocab,
+            vocab_type=xgr.VocabType.RAW if tokenizer.is_tekken else xgr.VocabType.BYTE_FALLBACK,
+            vocab_size=len(tokenizer.vocab), stop_token_ids=[tokenizer.eos_token_id], add_prefix_space=True,
+        )
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+
+
+def library_tokenizer(tokenizer, info: xgr.TokenizerInfo, vocab_size: int):
+    """The library's tokenizer over vLLM's token table: the same pieces, special ids and stop ids."""
+    from neuron_constrain.structured import Tokenizer
+
+    pieces = [bytes(p) for p in info.decoded_vocab]
+    special = set(int(i) for i in info.special_token_ids)
+    names = [("<|special_%d|>" % i) if i in special else "" for i in range(len(pieces))]
+    return Tokenizer(
+        pieces, special_ids=special, stop_token_ids=list(info.stop_token_ids), names=names,
+        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        vocab_size=max(vocab_size, len(pieces)), source=f"vLLM {type(tokenizer).__name__}",
+    )
+
+
+class LibraryGrammar(StructuredOutputGrammar):
+    """A library matcher (llguidance's, wrapped by ``LLGuidanceMatcher``) behind vLLM's grammar
+    interface, with the semantics of vLLM's ``XgrammarGrammar``."""
+
+    def __init__(self, engine, compiled):
+        self.engine, self.compiled = engine, compiled
+        self.matcher = engine.matcher(compiled)
+        self.num_processed_tokens = 0
+        self._is_terminated = False
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        if self._is_terminated:
+            return True
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                log.error("neuron_constrain: the grammar (%s) of request %s refused token %s",
+                          self.compiled.engine, request_id, token)
+                return False
+            self.num_processed_tokens += 1
+            self._is_terminated = self.matcher.is_terminated()
+            if self._is_terminated:
+                break
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        if self._is_terminated:
+            return []
+        accepted = []
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            accepted.append(token)
+            if self.matcher.is_terminated():
+                break
+        if accepted:
+            self.matcher.rollback(len(accepted))
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_processed_tokens -= num_tokens
+        self._is_terminated = self.matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, idx)
+
+    def is_terminated(self) -> bool:
+        return self._is_terminated
+
+    def reset(self):
+        self.matcher = self.engine.matcher(self.compiled)
+        self.num_processed_tokens = 0
+        self._is_terminated = False
+
+
+_KINDS = {
+    StructuredOutputOptions.JSON: "json",
+    StructuredOutputOptions.JSON_OBJECT: "json_object",
+    StructuredOutputOptions.REGEX: "regex",
+    StructuredOutputOptions.CHOICE: "choice",
+    StructuredOutputOptions.GRAMMAR: "grammar",
+    StructuredOutputOptions.STRUCTURAL_TAG: "structural_tag",
+}
+
+
+@dataclasses.dataclass
+class LibraryBackend(StructuredOutputBackend):
+    """Every request's grammar compiled by the library's ``auto`` engine (xgrammar | llguidance)."""
+
+    def __post_init__(self):
+        from neuron_constrain.structured.engines import AutoEngine
+
+        config = self.vllm_config
+        self.whitespace = "none" if config.structured_outputs_config.disable_any_whitespace else "any"
+        info = vllm_tokenizer_info(self.tokenizer, self.vocab_size)
+        self.vocab_size = max(self.vocab_size, info.vocab_size)
+        self.library_tokenizer = library_tokenizer(self.tokenizer, info, self.vocab_size)
+        self.pieces = self.library_tokenizer.pieces  # the text each token adds, as the grammars read it
+        self.stop_ids = frozenset(self.library_tokenizer.stop_token_ids)
+        self.engine = AutoEngine(self.library_tokenizer)
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self._lock = threading.Lock()
+        self._compiled: dict = {}
+        self.counts = {"xgrammar": 0, "llguidance": 0, "compile_errors": 0}
+
+    def constraint(self, request_type: StructuredOutputOptions, grammar_spec: str):
+        return policy.from_vllm(_KINDS[request_type], grammar_spec, whitespace=self.whitespace)
+
+    def _compile(self, constraint):
+        key = constraint.key
+        with self._lock:
+            hit = self._compiled.get(key)
+        if hit is not None:
+            return hit
+        compiled = self.engine.compile(constraint)
+        with self._lock:
+            if len(self._compiled) >= _CACHE:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[key] = compiled
+        return compiled
+
+    def compile_grammar(self, request_type: StructuredOutputOptions, grammar_spec: str,
+                        stop_token_ids: set[int] | None = None) -> StructuredOutputGrammar:
+        try:
+            constraint = self.constraint(request_type, grammar_spec)
+            compiled = self._compile(constraint)
+        except Exception:
+            self.counts["compile_errors"] += 1
+            raise  # vLLM fails this request alone (the frontend refused what the policy refuses, with a 400)
+        if compiled.engine == "xgrammar":
+            grammar = XgrammarGrammar(
+                matcher=xgr.GrammarMatcher(compiled.grammar,
+                                           override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
+                                           max_rollback_tokens=self.num_speculative_tokens),
+                vocab_size=self.vocab_size, ctx=compiled.grammar,
+            )
+        else:
+            grammar = LibraryGrammar(self.engine, compiled)
+        # what the finished answer is validated against (scheduler.py); a structural tag's answer is free
+        # text with tool calls inside, which vLLM's tool parser reads: not one document to validate
+        grammar.nc_constraint = None if request_type == StructuredOutputOptions.STRUCTURAL_TAG else constraint
+        grammar.nc_engine = compiled.engine
+        self.counts[compiled.engine] += 1
+        return grammar
+
+    def text(self, token_ids) -> str:
+        """The text the grammar read for ``token_ids`` (stop tokens dropped)."""
+        pieces, stops, size = self.pieces, self.stop_ids, len(self.pieces)
+        data = b"".join(pieces[t] for t in token_ids if t not in stops and 0 <= t < size)
+        return data.decode("utf-8", "replace")
+
+    def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(max_num_seqs, self.vocab_size)
+
+    def destroy(self):
+        self.engine.close()

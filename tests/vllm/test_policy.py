@@ -1,0 +1,117 @@
+"""The library's policy as the server applies it (no server needed): which engine each vLLM request
+kind goes to, what is refused with its keyword and JSON pointer, and the last line of defence
+(a finished answer its constraint does not accept ends as an error, counted)."""
+from __future__ import annotations
+
+import json
+import threading
+import types
+
+import pytest
+
+from neuron_constrain.structured import ConstraintError
+from neuron_constrain.vllm import policy
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                         "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"], "additionalProperties": False}
+TOOL = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("kind, spec, engine", [
+    ("json", json.dumps(CITY), "xgrammar"),
+    ("json_object", "", "xgrammar"),
+    ("json", json.dumps({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}), "llguidance"),
+    ("regex", r"[a-z]{3,8}@[a-z]{2,5}\.com", "xgrammar"),
+    ("choice", json.dumps(["yes", "no"]), "xgrammar"),
+    ("grammar", 'root ::= "a" | "b"', "xgrammar"),
+    ("grammar", 'start: "a" | "b"', "xgrammar"),  # Lark, as vLLM takes it
+    ("structural_tag", json.dumps({"structures": [{"begin": "<tool_call>", "schema": TOOL, "end": "</tool_call>"}],
+                                   "triggers": ["<tool_call>"]}), "xgrammar"),
+])
+def test_admitted_on_the_library_engine(kind, spec, engine):
+    assert policy.admit(policy.from_vllm(kind, spec)) == engine
+
+
+@pytest.mark.parametrize("schema, keyword, pointer", [
+    ({"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}}, "not", "#/properties/a/not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#/uniqueItems"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["a"]}},
+     "dependentRequired", "#/dependentRequired"),
+])
+def test_refused_with_keyword_and_pointer(schema, keyword, pointer):
+    with pytest.raises(ConstraintError) as info:
+        policy.admit(policy.from_vllm("json", json.dumps(schema)))
+    item = info.value.unenforced
+    assert (item.keyword, item.path) == (keyword, pointer)
+    assert f"`{keyword}` at {pointer}" in policy.refusal_message(info.value)
+
+
+def test_structural_tag_schemas_go_through_the_policy_and_the_string_fix():
+    bad = {"structures": [{"begin": "<tool_call>", "schema": {**TOOL, "not": {"required": ["x"]}},
+                           "end": "</tool_call>"}], "triggers": ["<tool_call>"]}
+    with pytest.raises(ConstraintError, match=r"`not` at #/structures/0/schema/not|not.*#/structures/0/schema"):
+        policy.from_vllm("structural_tag", json.dumps(bad))
+    good = policy.from_vllm("structural_tag", json.dumps(
+        {"structures": [{"begin": "<tool_call>", "schema": TOOL, "end": "</tool_call>"}], "triggers": ["<tool_call>"]}))
+    assert policy._LENGTH_STRING_CLASS not in good.spec and policy._JSON_STRING_CLASS in good.spec
+
+
+def test_malformed_constraints_refused():
+    for kind, spec in [("regex", "[a-"), ("grammar", "root ::= ("), ("json", "{not json")]:
+        with pytest.raises(ConstraintError):
+            policy.admit(policy.from_vllm(kind, spec))
+
+
+def test_violation_names_the_control_character():
+    constraint = policy.from_vllm("json", json.dumps(CITY))
+    assert policy.violation(constraint, '{"city":"Paris","population":3}') is None
+    why = policy.violation(constraint, '{"city":" })distance\x1b","population":0}')
+    assert why and "not JSON" in why
+    assert policy.violation(policy.from_vllm("regex", "[a-z]+"), "abc") is None
+    assert policy.violation(policy.from_vllm("regex", "[a-z]+"), "ab1")
+
+
+def test_frontend_check_raises_a_400_naming_the_parameter():
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from neuron_constrain.vllm.validate import check_structured
+
+    check_structured(SamplingParams())
+    check_structured(SamplingParams(structured_outputs=StructuredOutputsParams(json=CITY)))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}}
+    with pytest.raises(VLLMValidationError) as info:
+        check_structured(SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    assert info.value.parameter == "structured_outputs.json"
+    assert "`not` at #/properties/a/not" in str(info.value)
+
+
+def test_last_line_of_defence_ends_an_invalid_answer_as_an_error():
+    """The scheduler's check of a finished answer, on a stand-in request: an answer its constraint
+    refuses becomes vLLM's FINISHED_ERROR and is counted; a valid one is left alone."""
+    from vllm.v1.request import RequestStatus
+
+    from neuron_constrain.vllm.scheduler import NeuronConstrainScheduler
+
+    pieces = {1: b'{"city":"', 2: b"\x1b", 3: b'","population":0}', 4: b"Paris", 0: b""}
+    scheduler = object.__new__(NeuronConstrainScheduler)
+    scheduler.library_backend = types.SimpleNamespace(
+        text=lambda ids: b"".join(pieces[i] for i in ids).decode(), counts={"xgrammar": 1})
+    scheduler.output_counters = {"validated_outputs": 0, "invalid_outputs": 0, "unchecked_outputs": 0}
+    scheduler.violations, scheduler._counters_lock, scheduler._counters_file = [], threading.Lock(), None
+    grammar = types.SimpleNamespace(nc_constraint=policy.from_vllm("json", json.dumps(CITY)), nc_engine="xgrammar")
+
+    def request(ids):
+        return types.SimpleNamespace(request_id="r", output_token_ids=ids, status=RequestStatus.FINISHED_STOPPED,
+                                     structured_output_request=types.SimpleNamespace(grammar=grammar))
+
+    good, bad = request([1, 4, 3, 0]), request([1, 2, 3, 0])
+    scheduler._check_finished(good)
+    assert good.status == RequestStatus.FINISHED_STOPPED
+    scheduler._check_finished(bad)
+    assert bad.status == RequestStatus.FINISHED_ERROR
+    snapshot = scheduler.snapshot()
+    assert snapshot["validated_outputs"] == 2 and snapshot["invalid_outputs"] == 1
+    assert "not JSON" in snapshot["violations"][0]["why"]
