@@ -16,7 +16,7 @@ PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-latest test-latest-heavy test-latest-rest test-long test-vllm serve bench bench-vllm clean
+.PHONY: demo test test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm clean
 
 .venv/.installed: setup.cfg pyproject.toml
 	test -d .venv || $(PYTHON) -m venv .venv
@@ -56,13 +56,13 @@ LATEST_PYTEST := .venv-latest/bin/python -m pytest -q --ignore=tests/vllm
 test-latest: .venv-latest/.installed build/smollm2/.built
 	$(LATEST_PYTEST) $(PYTEST_ARGS)
 
-# The latest lane in two parts, so CI can pack its three lanes on two cores: the files that take
-# longest (SmolLM2, Inductor, gloo, the CLI), then the rest. Together they are test-latest.
-LATEST_HEAVY := tests/test_models_smollm2.py tests/test_backend.py tests/test_tensor_parallel.py tests/test_cli.py
-test-latest-heavy: .venv-latest/.installed build/smollm2/.built
-	$(LATEST_PYTEST) $(LATEST_HEAVY) $(PYTEST_ARGS)
-test-latest-rest: .venv-latest/.installed build/smollm2/.built
-	$(LATEST_PYTEST) $(addprefix --ignore=,$(LATEST_HEAVY)) $(PYTEST_ARGS)
+# The latest lane in two parts, so CI can pack its three lanes on two cores: what the torch version
+# can change, and the host-side tests the latest lane runs (torch_agnostic(lane="latest")).
+# Together they are test-latest.
+test-latest-torch: .venv-latest/.installed build/smollm2/.built
+	$(LATEST_PYTEST) -m 'not torch_agnostic' $(PYTEST_ARGS)
+test-latest-host: .venv-latest/.installed build/smollm2/.built
+	$(LATEST_PYTEST) -m torch_agnostic $(PYTEST_ARGS)
 
 # Hypothesis at ten times the CI budget with fresh random examples (the CI profile is derandomized).
 test-long: .venv/.installed build/smollm2/.built
