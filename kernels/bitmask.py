@@ -152,7 +152,7 @@ def apply_bitmask(
     width; columns at or past it are disallowed. ``rank``: the logits are this
     rank's vocab shard of a vocab-parallel lm_head (``mask`` stays the full mask).
     ``empty_token``: a row whose mask allows nothing allows exactly this token.
-    This is the kernel the logit-mask pass inserts.
+    This is the kernel the mask-logits pass inserts.
     """
     width = logits.shape[-1]
     vocab_size = width if vocab_size is None else vocab_size

@@ -1,4 +1,4 @@
-"""Logits processors as plain aten math: what the logits-processors pass splices in.
+"""Logits processors as plain aten math: what the process-logits pass splices in.
 
 Every function takes logits ``[..., W]`` (W = the logits' width, padded lm_head
 included) and per-row state with the same leading dims, and returns new logits

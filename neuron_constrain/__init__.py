@@ -1,7 +1,7 @@
 """neuron-constrain: compiler passes that make exported decoders grammar-constrainable."""
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.loading import LoadError, load
-from neuron_constrain.passes.tap_modules_pass import Tap
+from neuron_constrain.tap_interface import Tap
 from neuron_constrain.report import PassReport, TransformReport
 from neuron_constrain.transform import Transformed, transform
 # nc.backend is the submodule, callable as the factory: nc.backend(inner=...) and

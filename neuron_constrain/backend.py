@@ -61,8 +61,8 @@ from neuron_constrain.errors import InputError, TransformError
 from neuron_constrain.mask_interface import MASK_INPUT
 from neuron_constrain.passes.mask_logits_pass import mask_pass_adds
 from neuron_constrain.passes.process_logits_pass import processors_pass_adds
-from neuron_constrain.passes.tap_modules_pass import tap_pass_adds
 from neuron_constrain.sites import find_logits_root
+from neuron_constrain.tap_interface import is_tap_input
 from neuron_constrain.transform import Transformed, strip_added_outputs, transform
 
 __all__ = ["Backend", "Compiled", "backend", "compile", "BACKEND_NAME"]
@@ -252,7 +252,7 @@ class Compiled:
         return (
             name in self._added_names()
             or (options.get("logit_mask") is not None and mask_pass_adds(name))
-            or (bool(options.get("taps")) and tap_pass_adds(name))
+            or (bool(options.get("taps")) and is_tap_input(name))
             or (bool(processors) and processors_pass_adds(name, processors))
         )
 

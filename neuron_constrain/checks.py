@@ -5,6 +5,10 @@
 - every sampling site (or logits output) reads logits that depend on the mask input,
   and the mask's dtype and width fit those logits;
 - every tap's replacement reaches all readers of the tapped value.
+
+``check_contract(program, contract, "requires" | "ensures")`` checks what a pass
+declares (:class:`~neuron_constrain.contract.PassContract`) by the conditions of
+``CONDITIONS``, each a function ``program -> failures``.
 """
 from __future__ import annotations
 
@@ -16,14 +20,18 @@ from torch.utils import _pytree as pytree
 
 from neuron_constrain.canonical import keyword_inputs
 from neuron_constrain.errors import TransformError
-from neuron_constrain.passes.mask_logits_pass import MASK_INPUT, RANK_INPUT, is_mask_input
-from neuron_constrain.passes.tap_modules_pass import INPUT_PREFIX as TAP_PREFIX
-from neuron_constrain.passes.tap_modules_pass import RANK_INPUT as TAP_RANK_INPUT
-from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
+from neuron_constrain.contract import PassContract
 from neuron_constrain.kernels import pack_bool_mask, packed_width
+from neuron_constrain.mask_interface import MASK_INPUT, RANK_INPUT, is_mask_input
+from neuron_constrain.processors.registry import BUILTIN_INPUTS
+from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
 from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
+from neuron_constrain.tap_interface import INPUT_PREFIX as TAP_PREFIX
+from neuron_constrain.tap_interface import RANK_INPUT as TAP_RANK_INPUT
+from neuron_constrain.tap_interface import is_tap_input
 
-__all__ = ["CheckError", "Site", "check_program", "check_taps", "depends_on", "find_sites", "mask_inputs"]
+__all__ = ["CONDITIONS", "CheckError", "Site", "check_contract", "check_program", "check_taps", "depends_on", "find_sites",
+           "mask_inputs"]
 
 
 class CheckError(TransformError):
@@ -317,3 +325,77 @@ def depends_on(node, source) -> bool:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return False
+
+
+# ----------------------------------------------------------------------------- pass contracts
+
+def _untapped(program) -> list[str]:
+    tapped = [n for n in user_input_names(program) if is_tap_input(n)]
+    return [f"the program already has tap inputs {tapped}"] if tapped else []
+
+
+def _taps_reach_readers(program) -> list[str]:
+    if not any(is_tap_input(n) for n in user_input_names(program)):
+        return ["the program has no tap inputs"]
+    return check_taps(program)
+
+
+def _unmasked(program) -> list[str]:
+    masks = sorted(mask_inputs(program))
+    return [f"the program already has mask inputs {masks}"] if masks else []
+
+
+def _every_site_masked(program) -> list[str]:
+    if not mask_inputs(program):
+        return [f"the program has no {MASK_INPUT!r} input"]
+    return check_program(program, numeric=False)
+
+
+def _unprocessed(program) -> list[str]:
+    present = [n for n in user_input_names(program) if n in BUILTIN_INPUTS]
+    return [f"the program already has processor inputs {present}"] if present else []
+
+
+def _full_vocabulary(program) -> list[str]:
+    if RANK_INPUT in user_input_names(program):
+        return [f"the program's logits are one rank's vocab shard (it has a {RANK_INPUT!r} input)"]
+    return []
+
+
+def _processors_reach_sites(program) -> list[str]:
+    inputs = {n.name: n for n in program.graph.nodes if n.op == "placeholder" and n.name in BUILTIN_INPUTS}
+    if not inputs:
+        return ["the program has no processor inputs"]
+    sites = find_sites(program)
+    return [f"processor input {name} feeds no sampling site's logits" for name, node in inputs.items()
+            if not any(depends_on(site.logits, node) for site in sites)]
+
+
+def _has_head_inputs(program) -> list[str]:
+    names = user_input_names(program)
+    if any(is_mask_input(n) or n in BUILTIN_INPUTS for n in names):
+        return []
+    return ["the program has no mask or processor input to cut at"]
+
+
+CONDITIONS = {
+    "untapped": _untapped,
+    "taps_reach_readers": _taps_reach_readers,
+    "unmasked": _unmasked,
+    "every_site_masked": _every_site_masked,
+    "unprocessed": _unprocessed,
+    "full_vocabulary": _full_vocabulary,
+    "processors_reach_sites": _processors_reach_sites,
+    "has_head_inputs": _has_head_inputs,
+}
+
+
+def check_contract(program, contract: PassContract, stage: str) -> list[str]:
+    """The failures of the conditions ``contract`` declares for ``stage`` ("requires":
+    before the pass, "ensures": after it) on ``program``; empty when all hold."""
+    if stage not in ("requires", "ensures"):
+        raise ValueError(f"stage={stage!r}: use 'requires' or 'ensures'")
+    failures = []
+    for condition in getattr(contract, stage):
+        failures += [f"{contract.name} {stage} {condition}: {f}" for f in CONDITIONS[condition](program)]
+    return failures

@@ -1,7 +1,7 @@
 """``neuron-constrain`` command line: rewrite saved programs (``.pt2``) and guard them in CI.
 
     neuron-constrain rewrite IN.pt2 -o OUT.pt2 [--logit-mask packed|bool] [--vocab-size N]
-                                              [--empty-row flag|TOKEN] [--tp-degree N] [--passes logit_mask]
+                                              [--empty-row flag|TOKEN] [--tp-degree N] [--passes mask_logits]
     neuron-constrain show IN.pt2                      # canonical graph text
     neuron-constrain diff A B                         # .pt2 or canonical text; exit 1 if different
     neuron-constrain check IN.pt2 [--expect GOLDEN.txt [--update]]
@@ -31,8 +31,8 @@ import warnings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-# Passes `rewrite --passes` can run, in the order they run.
-PASSES = ("taps", "logit_mask")
+# Passes `rewrite --passes` can run, in the order they run (their former names are taken too).
+PASSES = ("tap_modules", "mask_logits")
 
 
 class UsageError(Exception):
@@ -119,18 +119,21 @@ def _read_graph(path: str, progress: _Progress, debug: bool, allow_pickle: bool 
 # ----------------------------------------------------------------------------- commands
 
 def _parse_passes(values: list[str] | None, taps: list[str] | None) -> list[str]:
+    from neuron_constrain.report import FORMER_NAMES
+
     if values is None:
-        return ["taps", "logit_mask"] if taps else ["logit_mask"]
+        return ["tap_modules", "mask_logits"] if taps else ["mask_logits"]
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
     if not names:
         raise UsageError(f"--passes names no pass; choose from {', '.join(PASSES)}")
-    if taps and "taps" not in names:
-        raise UsageError("--tap configures the taps pass, which --passes leaves out; add taps to --passes")
-    if "taps" in names and not taps:
-        raise UsageError("--passes taps needs at least one --tap PATTERN (e.g. --tap 'model.layers.*.mlp.router')")
     for name in names:
-        if name not in PASSES:
+        if FORMER_NAMES.get(name, name) not in PASSES:
             raise UsageError(f"unknown pass {name!r}; available: {', '.join(PASSES)}")
+    names = [FORMER_NAMES.get(n, n) for n in names]
+    if taps and "tap_modules" not in names:
+        raise UsageError("--tap configures the tap_modules pass, which --passes leaves out; add tap_modules to --passes")
+    if "tap_modules" in names and not taps:
+        raise UsageError("--passes tap_modules needs at least one --tap PATTERN (e.g. --tap 'model.layers.*.mlp.router')")
     return names
 
 
@@ -151,8 +154,8 @@ def _rewrite(args: argparse.Namespace) -> int:
     mask_options = {"--logit-mask": args.logit_mask, "--vocab-size": args.vocab_size, "--empty-row": args.empty_row,
                     "--tp-degree": args.tp_degree}
     given = [flag for flag, value in mask_options.items() if value is not None]
-    if "logit_mask" not in passes and given:
-        raise UsageError(f"{', '.join(given)} configure the logit_mask pass, which --passes leaves out; add it to --passes")
+    if "mask_logits" not in passes and given:
+        raise UsageError(f"{', '.join(given)} configure the mask_logits pass, which --passes leaves out; add it to --passes")
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary size must be positive")
     empty_row = _parse_empty_row(args.empty_row or "flag")
@@ -171,11 +174,11 @@ def _rewrite(args: argparse.Namespace) -> int:
         try:
             result = transform(
                 program,
-                logit_mask=(args.logit_mask or "packed") if "logit_mask" in passes else None,
+                logit_mask=(args.logit_mask or "packed") if "mask_logits" in passes else None,
                 vocab_size=args.vocab_size,
                 empty_row=empty_row,
                 tp_degree=1 if args.tp_degree is None else args.tp_degree,
-                taps=args.tap if "taps" in passes else (),
+                taps=args.tap if "tap_modules" in passes else (),
             )
         except TransformError as e:
             if args.debug:

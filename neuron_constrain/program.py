@@ -13,6 +13,8 @@ pass goes through :class:`ProgramEditor`::
     editor.add_output(flag, "logit_mask_empty")  # a later pass finds it: editor.find_output(name)
     new_program = editor.build()                 # new signature, call specs, verifier run
 
+A pass that cuts a program in parts (the split) builds each part's graph from the
+program's nodes and makes it a program with ``ProgramEditor.subprogram(program, graph, ...)``.
 A pass that must run once checks ``refuse_if_present(program, names, ...)`` first.
 
 ``splice`` traces a plain torch function with ``make_fx`` on the program's own fake
@@ -29,6 +31,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (
     ExportGraphSignature,
     InputKind,
@@ -305,3 +308,51 @@ class ProgramEditor:
             extended = (original, *[-1 for _ in self._new_outputs])
             root.out_spec = pytree.tree_flatten(extended)[1]
             root.outputs.extend(TensorArgument(name=n.name) for n in self._new_outputs)
+
+    # ------------------------------------------------------------------ a part of a program
+    @staticmethod
+    def subprogram(
+        program: ExportedProgram,
+        graph: torch.fx.Graph,
+        *,
+        state: Sequence[str],
+        user_inputs: Sequence[str],
+        outputs: Sequence,
+        in_spec,
+        out_spec,
+        arg_names: list[str] | None,
+        example_inputs,
+        mutations: Sequence[OutputSpec] = (),
+        keep_module_calls: bool = False,
+    ) -> ExportedProgram:
+        """A new program running ``graph`` (made of ``program``'s nodes): its inputs are the
+        placeholders ``state`` (parameters, buffers and constants of ``program``, whose
+        values it holds) then ``user_inputs``; its outputs the buffer ``mutations`` then
+        ``outputs`` (node names, or a constant output's argument). ``in_spec`` / ``out_spec``
+        / ``arg_names`` make its call signature; ``keep_module_calls`` keeps ``program``'s
+        module call entries whose values ``graph`` still has."""
+        spec_of = {s.arg.name: s for s in program.graph_signature.input_specs if isinstance(s.arg, TensorArgument)}
+        arguments = [TensorArgument(name=o) if isinstance(o, str) else o for o in outputs]
+        input_specs = [spec_of[name] for name in state] + [
+            InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(name=name), target=None) for name in user_inputs
+        ]
+        output_specs = list(mutations) + [OutputSpec(kind=OutputKind.USER_OUTPUT, arg=a, target=None) for a in arguments]
+        root = ModuleCallSignature(inputs=[TensorArgument(name=n) for n in user_inputs], outputs=arguments,
+                                   in_spec=in_spec, out_spec=out_spec, forward_arg_names=arg_names)
+        entries = [ModuleCallEntry(fqn="", signature=root)]
+        if keep_module_calls:
+            names = {n.name for n in graph.nodes} | {None}
+            entries += [e for e in program.module_call_graph[1:] if e.signature is None or all(
+                getattr(a, "name", None) in names for a in [*e.signature.inputs, *e.signature.outputs])]
+        targets = [spec_of[name].target for name in state]
+        return ExportedProgram(
+            root=torch.fx.GraphModule(program.graph_module, graph),
+            graph=graph,
+            graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
+            state_dict={t: program.state_dict[t] for t in targets if t in program.state_dict},
+            range_constraints=dict(program.range_constraints),
+            module_call_graph=entries,
+            example_inputs=example_inputs,
+            constants={t: program.constants[t] for t in targets if t in program.constants},
+            verifiers=[program.verifier],
+        )

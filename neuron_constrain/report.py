@@ -7,7 +7,7 @@ from typing import Any
 import sympy
 import torch
 
-__all__ = ["AddedInput", "PassReport", "TransformReport", "evaluate_dim", "symbolic_shape", "unsizable"]
+__all__ = ["FORMER_NAMES", "AddedInput", "PassReport", "TransformReport", "evaluate_dim", "symbolic_shape", "unsizable"]
 
 
 def symbolic_shape(shape) -> tuple:
@@ -125,14 +125,21 @@ class PassReport:
         return "\n".join(lines)
 
 
+# The passes' names before each had one name (file = function = report key): the CLI's
+# --passes and report[...] still take them.
+FORMER_NAMES = {"taps": "tap_modules", "logit_mask": "mask_logits", "logits_processors": "process_logits"}
+
+
 @dataclasses.dataclass
 class TransformReport:
+    """``passes``: each pass's report under its name (``"mask_logits"``), in the order they ran."""
+
     passes: dict[str, PassReport] = dataclasses.field(default_factory=dict)
     export_seconds: float = 0.0
     transform_seconds: float = 0.0
 
     def __getitem__(self, name: str) -> PassReport:
-        return self.passes[name]
+        return self.passes[FORMER_NAMES.get(name, name)]
 
     @property
     def inputs_added(self) -> list[AddedInput]:

@@ -307,7 +307,7 @@ def plan_logits(graph: torch.fx.Graph, outputs: list, vocab_size, *, weights, wh
     if len(heads) > 1 and not several:
         raise TransformError(
             f"the graph has {len(heads)} logits heads, each sampled ({names}); {what} covers one head: "
-            "export one head per program, or run only the logit-mask pass, which masks every head"
+            "export one head per program, or run only the mask-logits pass, which masks every head"
         )
     if len(heads) > 1 and shards > 1:
         raise TransformError(f"tp_degree={shards} with {len(heads)} heads ({names}): vocab-parallel masking takes one head")

@@ -11,12 +11,16 @@ from torch.utils import _pytree as pytree
 
 from neuron_constrain.tap_context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
-from neuron_constrain.passes import logits_processors_pass, mask_logits_pass, replacement_tap_pass
+from neuron_constrain.passes import mask_logits_pass, process_logits_pass, tap_modules_pass
 from neuron_constrain.mask_interface import is_empty_output
-from neuron_constrain.passes.tap_modules_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules
 from neuron_constrain.report import AddedInput, TransformReport, unsizable
+from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
 
-__all__ = ["transform", "Transformed"]
+__all__ = ["PASSES", "transform", "Transformed"]
+
+# The passes transform() runs, in order. Each gets the options its contract declares
+# (one value of an option two passes share) and is left out when its switch is None.
+PASSES = (tap_modules_pass, mask_logits_pass, process_logits_pass)
 
 
 def _tracing() -> bool:
@@ -257,11 +261,11 @@ def transform(
     (its logits are that rank's vocab shard) and the program gains a required
     ``tp_rank`` input (int32 ``[1]``); ``vocab_size`` stays the full vocabulary.
     ``taps``: module path patterns (or :class:`Tap`) whose outputs reference tensors
-    can replace at run time (see the replacement-tap pass); ``sequence_parallel``:
+    can replace at run time (see the tap-modules pass); ``sequence_parallel``:
     ranks the tapped values' token dim is split over (adds a ``tap_rank`` input).
     ``processors``: logits processors run in the graph after the mask (built-in
     "min_tokens", "logit_bias", "penalties", "min_p", or custom ones; see the
-    logits-processors pass and :class:`neuron_constrain.processors.ProcessorState`);
+    process-logits pass and :class:`neuron_constrain.processors.ProcessorState`);
     ``max_stop_tokens`` / ``max_bias_tokens`` / ``max_penalty_tokens``: their fixed
     per-row widths (stop ids, biased ids, distinct seen tokens);
     ``num_speculative_tokens`` > 0 allows only "min_tokens".
@@ -289,18 +293,16 @@ def transform(
             )
     report.export_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    if taps:
-        program, report.passes["taps"] = replacement_tap_pass(program, taps, sequence_parallel=sequence_parallel)
-    if logit_mask is not None:
-        program, report.passes["logit_mask"] = mask_logits_pass(
-            program, mask_format=logit_mask, vocab_size=vocab_size, empty_row=empty_row, tp_degree=tp_degree
-        )
-    if processors is not None:
-        program, report.passes["logits_processors"] = logits_processors_pass(
-            program, processors=processors, vocab_size=vocab_size, empty_row=empty_row,
-            max_stop_tokens=max_stop_tokens, max_bias_tokens=max_bias_tokens, max_penalty_tokens=max_penalty_tokens,
-            num_speculative_tokens=num_speculative_tokens,
-        )
+    options = {
+        "taps": taps or None, "sequence_parallel": sequence_parallel,
+        "mask_format": logit_mask, "vocab_size": vocab_size, "empty_row": empty_row, "tp_degree": tp_degree,
+        "processors": processors, "max_stop_tokens": max_stop_tokens, "max_bias_tokens": max_bias_tokens,
+        "max_penalty_tokens": max_penalty_tokens, "num_speculative_tokens": num_speculative_tokens,
+    }
+    for run in PASSES:
+        contract = run.contract
+        if options[contract.switch] is not None:
+            program, report.passes[contract.name] = run(program, **{o: options[o] for o in contract.options})
     report.transform_seconds = time.perf_counter() - start
     return Transformed(program, report)
 

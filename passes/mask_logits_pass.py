@@ -1,4 +1,4 @@
-"""Logit-mask pass: a ``logit_mask`` input, applied to the logits right before sampling.
+"""Mask-logits pass (``mask_logits``): a ``logit_mask`` input, applied to the logits right before sampling.
 
 Before (greedy step)                      After (mask_format="packed", V=1000, logits 1024 wide)
     logits = linear(h, lm_head_w)             logit_mask: i32[B, 32]              # new user input
@@ -44,6 +44,10 @@ Options
                  so every rank flags the same rows. ``Transformed`` refuses to run
                  without ``tp_rank`` (never a silent rank 0) and checks its range.
 
+Requires ``unmasked`` (no mask input yet); ensures ``every_site_masked`` (every
+sampling site reads logits that depend on a mask input of a width that fits: the
+checks' :func:`~neuron_constrain.checks.check_program`).
+
 Reports the sites (node, kind, module), the mask points, the input (and output)
 added and the number of nodes inserted. A second application raises. The names of
 what it adds are :mod:`neuron_constrain.mask_interface`'s.
@@ -53,6 +57,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
+from neuron_constrain.contract import PassContract, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import apply_bitmask, empty_rows, packed_width
 from neuron_constrain.mask_interface import (
@@ -68,6 +73,9 @@ from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import describe_head, module_path, plan_logits, weight_names
 
 MASK_FORMATS = ("packed", "bool")
+CONTRACT = PassContract(name="mask_logits", switch="mask_format",
+                        options=("mask_format", "vocab_size", "empty_row", "tp_degree"),
+                        requires=("unmasked",), ensures=("every_site_masked",))
 
 
 def mask_pass_adds(name: str) -> bool:
@@ -75,6 +83,7 @@ def mask_pass_adds(name: str) -> bool:
     return is_mask_input(name) or name == RANK_INPUT
 
 
+@declares(CONTRACT)
 def mask_logits_pass(
     program: ExportedProgram,
     *,
@@ -100,7 +109,7 @@ def mask_logits_pass(
     mask_dtype = torch.int32 if mask_format == "packed" else torch.bool
     fill = -1 if mask_format == "packed" else True
     fallback = None if empty_row == "flag" else empty_row
-    report = PassReport(name="logit_mask")
+    report = PassReport(name=CONTRACT.name)
 
     # Inputs first (so no inserted node takes an input's name), then the code.
     masks = []

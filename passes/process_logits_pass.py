@@ -1,6 +1,6 @@
-"""Logits-processors pass: min_tokens, logit_bias, penalties and min_p inside the graph.
+"""Process-logits pass (``process_logits``): min_tokens, logit_bias, penalties and min_p inside the graph.
 
-Before (after the logit-mask pass)             After (processors = all four)
+Before (after the mask-logits pass)             After (processors = all four)
     m = where(allowed, last, -inf)                 m = where(allowed, last, -inf)
     tok = argmax(m, -1)           # greedy         x = scatter_add(m, cat(stop_ids, bias_ids),            # min_tokens and
     t = div(m, 0.8)               # sampling                       cat(-inf if remaining > 0, bias))  # logit_bias, fused
@@ -14,7 +14,7 @@ Before (after the logit-mask pass)             After (processors = all four)
                                                    order = sort(y)               # sampling: min_p in front
 
 Where: at the mask point of :func:`neuron_constrain.sites.plan_mask_points` (after the
-logit-mask pass that point is the masked logits, so the order is mask, min_tokens,
+mask-logits pass that point is the masked logits, so the order is mask, min_tokens,
 logit_bias, penalties), then, on each sampling path only, right in front of the
 sampling op: temperature (a per-row ``temperature`` input) and min_p.
 
@@ -31,7 +31,7 @@ logits, i.e. after temperature, as in vLLM. A path without one gets the per-row
 graph) get neither: the host samples and applies them itself.
 
 All-disallowed rows. min_tokens (or a ``-inf`` bias) can empty a row the grammar left
-one token in (EOS only). The logit-mask pass's ``empty_row`` policy holds on the final
+one token in (EOS only). The mask-logits pass's ``empty_row`` policy holds on the final
 allowed set: "flag" — the ``logit_mask_empty`` output becomes ``mask_empty | no
 finite logit below V after the processors`` (added if the graph has none), so
 ``Transformed`` raises ``EmptyMaskRowError``; an int token id — such a row allows
@@ -54,11 +54,16 @@ Options
                       ``LogitsProcessor`` classes; built-ins run in the order above,
                       custom ones after the built-ins of their kind.
     vocab_size        the tokenizer's vocabulary (default: the logits' width W).
-    empty_row         "flag" or a token id: the logit-mask pass's policy (pass the same).
+    empty_row         "flag" or a token id: the mask-logits pass's policy (``transform()``
+                      hands both passes the one option).
     max_stop_tokens   S; max_bias_tokens: K; max_penalty_tokens: L (default 1024).
                       Penalties are sparse: L seen ids per row, not a dense [R, V]
                       count tensor (12 x L bytes per row to ship instead of 5 x V).
     num_speculative_tokens  > 0 keeps only min_tokens (others raise).
+
+Requires ``unprocessed`` (no processor inputs yet) and ``full_vocabulary`` (no
+``tp_rank``: the logits are not one rank's shard); ensures ``processors_reach_sites``
+(every processor input it added feeds the logits some sampling site reads).
 
 Reports each site with the processors inserted there and those pruned (and why), the
 inputs added, ``logit_mask_empty`` if it added that output, and nodes inserted. A
@@ -71,6 +76,7 @@ from typing import Sequence
 import torch
 from torch.export import ExportedProgram
 
+from neuron_constrain.contract import PassContract, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import allow_token_in_empty_rows, no_token_rows
 from neuron_constrain.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empty_row
@@ -90,6 +96,12 @@ from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits, weight_names
 
 GREEDY_KINDS = ("argmax", "max")
+CONTRACT = PassContract(
+    name=PASS_NAME, switch="processors",
+    options=("processors", "vocab_size", "empty_row", "max_stop_tokens", "max_bias_tokens", "max_penalty_tokens",
+             "num_speculative_tokens"),
+    requires=("unprocessed", "full_vocabulary"), ensures=("processors_reach_sites",),
+)
 
 
 def processors_pass_adds(name: str, processors: Sequence) -> bool:
@@ -117,7 +129,8 @@ def _own_scaling(stops: set, node: torch.fx.Node, width: int) -> list[torch.fx.N
     return found
 
 
-def logits_processors_pass(
+@declares(CONTRACT)
+def process_logits_pass(
     program: ExportedProgram,
     *,
     processors=BUILTIN_PROCESSORS,
@@ -137,7 +150,7 @@ def logits_processors_pass(
     refuse_if_present(program, BUILTIN_INPUTS, pass_name="logits-processors")
     if RANK_INPUT in user_input_names(program):
         raise TransformError(
-            "the program's logits are one rank's vocab shard (it has a tp_rank input); the logits-processors pass "
+            "the program's logits are one rank's vocab shard (it has a tp_rank input); the process-logits pass "
             "needs the full vocabulary: run it on an unsharded step, or transform with tp_degree=1"
         )
     for name, value in (("max_stop_tokens", max_stop_tokens), ("max_bias_tokens", max_bias_tokens),
@@ -210,7 +223,7 @@ def logits_processors_pass(
         return proc if isinstance(proc, str) else proc.name
 
     # Stage one, at each mask point: min_tokens, logit_bias, penalties (+ custom), then the empty-row policy.
-    flag = editor.find_output(EMPTY_OUTPUT)  # the logit-mask pass's, when it ran with empty_row="flag"
+    flag = editor.find_output(EMPTY_OUTPUT)  # the mask-logits pass's, when it ran with empty_row="flag"
     processed: dict[torch.fx.Node, torch.fx.Node] = {}  # mask point -> its value after stage one
     for point in plan.points:
         x = point

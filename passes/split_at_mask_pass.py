@@ -1,4 +1,4 @@
-"""Split at the mask: cut a rewritten step into a BODY and a HEAD program.
+"""Split-at-mask pass (``split_at_mask``): cut a rewritten step into a BODY and a HEAD program.
 
 With on-device sampling the grammar mask is an input of the compiled step, so the
 host must finish the mask fill before the forward may start. Cut the step where the
@@ -44,6 +44,10 @@ input, an in-place op in the head on a body value, a head input that is position
 a non-tensor value other than a size crossing the cut, and a program where no output
 depends on the head inputs.
 
+Requires ``has_head_inputs`` (a mask or processor input, which the passes add as
+keywords). It returns two programs, so no condition on one program states what it
+ensures; ``tests/test_split.py`` checks ``head(*body(...))`` against the step.
+
 Returns ``(body, head, SplitReport)``. Both are plain ``ExportedProgram``s of the
 original aten ops (they save, load and run without this library); the report lists
 the cut values, the head's ops and the bytes it takes per call (cut values plus
@@ -57,25 +61,19 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
-from torch.export.graph_signature import (
-    ExportGraphSignature,
-    InputKind,
-    InputSpec,
-    OutputKind,
-    OutputSpec,
-    TensorArgument,
-)
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
+from neuron_constrain.contract import PassContract, declares
 from neuron_constrain.errors import TransformError
-from neuron_constrain.program import user_input_names
+from neuron_constrain.program import ProgramEditor, user_input_names
 from neuron_constrain.sites import projections
 
-__all__ = ["SplitReport", "split_at_mask_pass"]
+__all__ = ["CONTRACT", "SplitReport", "split_at_mask_pass"]
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 CUTS = ("logits", "hidden")
+CONTRACT = PassContract(name="split_at_mask", options=("head_inputs", "cut"), requires=("has_head_inputs",))
 
 
 @dataclasses.dataclass
@@ -144,16 +142,6 @@ def _example_leaves(program: ExportedProgram) -> dict[str, Any]:
     return dict(zip(user_input_names(program), leaves))
 
 
-def _root_signature(inputs, outputs, in_spec, out_spec, arg_names) -> ModuleCallSignature:
-    return ModuleCallSignature(
-        inputs=[TensorArgument(name=n) for n in inputs],
-        outputs=[TensorArgument(name=n) if isinstance(n, str) else n for n in outputs],
-        in_spec=in_spec,
-        out_spec=out_spec,
-        forward_arg_names=arg_names,
-    )
-
-
 def _classify(graph: torch.fx.Graph, head_set: set, spec_of: dict, seeds: set) -> tuple[set, set]:
     """(head nodes: the head inputs, ``seeds`` and all that depends on them; stateful
     nodes: depending on a user input or a buffer, so they must run in the body)."""
@@ -203,6 +191,7 @@ def _copy_nodes(graph: torch.fx.Graph, nodes, env: dict) -> None:
         env[node] = graph.node_copy(node, lambda n: env[n])
 
 
+@declares(CONTRACT)
 def split_at_mask_pass(
     program: ExportedProgram, head_inputs: Sequence[str], *, cut: str = "logits"
 ) -> tuple[ExportedProgram, ExportedProgram, SplitReport]:
@@ -216,7 +205,7 @@ def split_at_mask_pass(
     if missing:
         raise TransformError(
             f"split_at_mask: the program has no user input {missing[0]!r} (its inputs: {user_inputs}); "
-            "run the logit-mask pass first, or name inputs the program has"
+            "run the mask-logits pass first, or name inputs the program has"
         )
     sig = program.graph_signature
     graph = program.graph
@@ -325,8 +314,6 @@ def split_at_mask_pass(
 
 
 def _build_head(program, cut, kw_names, state, rebuilt, sizes, head_nodes, user_outs, examples) -> ExportedProgram:
-    sig = program.graph_signature
-    spec_of = {s.arg.name: s for s in sig.input_specs if isinstance(s.arg, TensorArgument)}
     by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -357,35 +344,14 @@ def _build_head(program, cut, kw_names, state, rebuilt, sizes, head_nodes, user_
     _copy_nodes(graph, order, env)
     out_values = [env[v] if isinstance(v, torch.fx.Node) else v for v, _ in user_outs]
     graph.output(tuple(out_values))
-    module = torch.fx.GraphModule(program.graph_module, graph)
-
-    input_specs = [spec_of[n.name] for n in state] + [
-        InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(name=ph.name), target=None) for ph in user_phs
-    ]
-    output_specs = [
-        OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=v.name) if isinstance(v, torch.fx.Node) else s.arg,
-                   target=None)
-        for v, (_, s) in zip(out_values, user_outs)
-    ]
-    targets = [spec_of[n.name].target for n in state]
-    state_dict = {t: program.state_dict[t] for t in targets if t in program.state_dict}
-    constants = {t: program.constants[t] for t in targets if t in program.constants}
     in_spec = pytree.tree_flatten((tuple(range(len(cut))), {k: 0 for k in kw_names}))[1]
-    root = _root_signature([ph.name for ph in user_phs],
-                           [v.name if isinstance(v, torch.fx.Node) else s.arg for v, (_, s) in zip(out_values, user_outs)],
-                           in_spec, program.call_spec.out_spec, [n.name for n in cut] + kw_names)
     example_args = tuple(_example(n.meta["val"]) for n in cut)
     example_kwargs = {k: examples[k] if k in examples else _example(by_name[k].meta["val"]) for k in kw_names}
-    return ExportedProgram(
-        root=module,
-        graph=graph,
-        graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
-        state_dict=state_dict,
-        range_constraints=dict(program.range_constraints),
-        module_call_graph=[ModuleCallEntry(fqn="", signature=root)],
+    return ProgramEditor.subprogram(
+        program, graph, state=[n.name for n in state], user_inputs=[ph.name for ph in user_phs],
+        outputs=[v.name if isinstance(v, torch.fx.Node) else s.arg for v, (_, s) in zip(out_values, user_outs)],
+        in_spec=in_spec, out_spec=program.call_spec.out_spec, arg_names=[n.name for n in cut] + kw_names,
         example_inputs=(example_args, example_kwargs),
-        constants=constants,
-        verifiers=[program.verifier],
     )
 
 
@@ -394,7 +360,6 @@ def _build_body(program, head_inputs, cut, args_index, kwargs_index) -> Exported
     old_output = next(n for n in reversed(program.graph.nodes) if n.op == "output")
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    keep_specs = [s for s in sig.input_specs if not (s.kind == InputKind.USER_INPUT and s.arg.name in head_inputs)]
     head_names = set(head_inputs)
     for node in program.graph.nodes:
         if node.op == "placeholder" and node.name in head_names:
@@ -407,35 +372,20 @@ def _build_body(program, head_inputs, cut, args_index, kwargs_index) -> Exported
     mutations = [(v, s) for v, s in zip(old_output.args[0], sig.output_specs) if s.kind != OutputKind.USER_OUTPUT]
     graph.output(tuple([env[v] for v, _ in mutations] + [env[n] for n in cut]))
     graph.eliminate_dead_code()  # input-free code only the head used (rebuilt there)
-    module = torch.fx.GraphModule(program.graph_module, graph)
-    output_specs = [s for _, s in mutations] + [
-        OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=env[n].name), target=None) for n in cut
-    ]
     kwargs = {k: v for k, v in kwargs_index.items() if k not in head_names}
-    in_spec = pytree.tree_flatten((args_index, kwargs))[1]
-    user = [s.arg.name for s in keep_specs if s.kind == InputKind.USER_INPUT]
     old_root = program.module_call_graph[0].signature
     arg_names = None if old_root is None or old_root.forward_arg_names is None else [
         n for n in old_root.forward_arg_names if n not in head_names
-    ]
-    root = _root_signature(user, [env[n].name for n in cut], in_spec, pytree.tree_flatten(tuple(range(len(cut))))[1], arg_names)
-    names = {n.name for n in graph.nodes}
-    entries = [ModuleCallEntry(fqn="", signature=root)] + [
-        e for e in program.module_call_graph[1:]
-        if e.signature is None or all(getattr(a, "name", None) in names | {None} for a in [*e.signature.inputs, *e.signature.outputs])
     ]
     example_inputs = None
     if program.example_inputs is not None:
         args, old_kwargs = program.example_inputs
         example_inputs = (tuple(args), {k: v for k, v in old_kwargs.items() if k not in head_names})
-    return ExportedProgram(
-        root=module,
-        graph=graph,
-        graph_signature=ExportGraphSignature(input_specs=keep_specs, output_specs=output_specs),
-        state_dict=dict(program.state_dict),
-        range_constraints=dict(program.range_constraints),
-        module_call_graph=entries,
-        example_inputs=example_inputs,
-        constants=dict(program.constants),
-        verifiers=[program.verifier],
+    return ProgramEditor.subprogram(
+        program, graph,
+        state=[s.arg.name for s in sig.input_specs if s.kind != InputKind.USER_INPUT],
+        user_inputs=[s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT and s.arg.name not in head_names],
+        outputs=[env[n].name for n in cut], mutations=[s for _, s in mutations],
+        in_spec=pytree.tree_flatten((args_index, kwargs))[1], out_spec=pytree.tree_flatten(tuple(range(len(cut))))[1],
+        arg_names=arg_names, example_inputs=example_inputs, keep_module_calls=True,
     )

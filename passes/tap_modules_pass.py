@@ -1,4 +1,4 @@
-"""Replacement-tap pass: let a reference tensor replace a named module's output at run time.
+"""Tap-modules pass (``tap_modules``): let a reference tensor replace a named module's output at run time.
 
 Before (GPT-OSS ``model.layers.0.mlp.router``)   After (taps=["model.layers.*.mlp.router"])
     logits = linear(h, w, b)                         tap_..._router: f32[T, E]        # new inputs
@@ -39,89 +39,30 @@ report back from a tapped program (a saved ``.pt2`` keeps no report).
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import re
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, TensorArgument
 
+from neuron_constrain.contract import PassContract, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.program import ProgramEditor, user_input_names, wheres_fed_by
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
 from neuron_constrain.sites import normalize_module_path
+from neuron_constrain.tap_interface import (
+    CAPTURE_PREFIX,
+    ENABLED_SUFFIX,
+    RANK_INPUT,
+    Tap,
+    as_taps,
+    is_tap_input,
+    match_modules,
+    tap_input_name,
+)
 
-INPUT_PREFIX = "tap_"  # tap_<name> (replacement), tap_<name>_enabled (row flags)
-ENABLED_SUFFIX = "_enabled"
-RANK_INPUT = INPUT_PREFIX + "rank"
-CAPTURE_PREFIX = "capture_"
-
-
-@dataclasses.dataclass(frozen=True)
-class Tap:
-    """One tap: ``pattern`` (``path`` or ``path:N``) and its options (see the module doc)."""
-
-    pattern: str
-    post: Callable[[torch.Tensor], torch.Tensor] | None = None
-    features: int | None = None
-    dtype: torch.dtype = torch.float32
-    capture: bool = False
-
-    def __post_init__(self):
-        if self.post is not None and not self.features:
-            raise TransformError(f"tap {self.pattern!r} has a post function: give features= (the replacement's last dim)")
-
-    @property
-    def module_pattern(self) -> str:
-        return self.pattern.split(":", 1)[0]
-
-    @property
-    def selector(self) -> int | None:
-        if ":" not in self.pattern:
-            return None
-        text = self.pattern.split(":", 1)[1]
-        if not text.isdigit():
-            raise TransformError(f"tap {self.pattern!r}: the selector after ':' must be an output index, e.g. ':1'")
-        return int(text)
-
-
-def as_taps(taps: Iterable[str | Tap]) -> list[Tap]:
-    result = [t if isinstance(t, Tap) else Tap(t) for t in taps]
-    bad = [t for t in result if not isinstance(t.pattern, str) or not t.module_pattern]
-    if bad:
-        raise TransformError(f"taps must be module path patterns (str or Tap), got {bad}")
-    return result
-
-
-# ----------------------------------------------------------------------------- pattern matching
-
-def _component_regex(part: str) -> str:
-    return "[^.]+" if part == "*" else "[^.]*".join(re.escape(p) for p in part.split("*"))
-
-
-def _pattern_regex(pattern: str) -> re.Pattern:
-    parts = [r"(?:[^.]+\.)*" if p == "**" else _component_regex(p) + r"\." for p in pattern.split(".")]
-    body = "".join(parts)
-    body = body[:-2] if body.endswith(r"\.") else body
-    return re.compile(r"(?:^|.*\.)" + body + "$")
-
-
-def match_modules(pattern: str, paths: Iterable[str]) -> list[str]:
-    """The module paths ``pattern`` matches (in the given order), or a TransformError."""
-    paths = [p for p in dict.fromkeys(paths) if p]  # '' is the root module: never a tap
-    regex = _pattern_regex(pattern)
-    found = [p for p in paths if regex.match(p)]
-    if not found:
-        probe = pattern.replace("**.", "").replace("*", "0")
-        near = difflib.get_close_matches(probe, paths, n=5, cutoff=0.4)
-        raise TransformError(
-            f"tap pattern {pattern!r} matches no module; nearest module paths: {near or sorted(paths)[:5]}. "
-            "Patterns are dotted module paths as named_modules() spells them, '*' = one component"
-        )
-    return found
-
+CONTRACT = PassContract(name="tap_modules", switch="taps", options=("taps", "sequence_parallel"),
+                        requires=("untapped",), ensures=("taps_reach_readers",))
 
 # ----------------------------------------------------------------------------- module outputs
 
@@ -153,18 +94,10 @@ def _module_outputs(editor: ProgramEditor, path: str) -> list[torch.fx.Node | No
     )
 
 
-def _input_name(tap_name: str) -> str:
-    return INPUT_PREFIX + re.sub(r"\W", "_", tap_name)
-
-
-def tap_pass_adds(name: str) -> bool:
-    """Whether this pass may add a user input called ``name`` (a tap's values or flags, or ``tap_rank``)."""
-    return name.startswith(INPUT_PREFIX)
-
-
 # ----------------------------------------------------------------------------- the pass
 
-def replacement_tap_pass(
+@declares(CONTRACT)
+def tap_modules_pass(
     program: ExportedProgram, taps: Sequence[str | Tap], *, sequence_parallel: int = 1
 ) -> tuple[ExportedProgram, PassReport]:
     taps = as_taps(taps)
@@ -172,11 +105,11 @@ def replacement_tap_pass(
         raise TransformError("taps is empty: name at least one module pattern, e.g. 'model.layers.*.mlp.router'")
     if not isinstance(sequence_parallel, int) or sequence_parallel < 1:
         raise TransformError(f"sequence_parallel={sequence_parallel!r}: use the number of ranks (an int >= 1)")
-    if any(name.startswith(INPUT_PREFIX) for name in user_input_names(program)):
+    if any(is_tap_input(name) for name in user_input_names(program)):
         raise TransformError("the program already has tap inputs: tap the original model or program, not its rewrite")
 
     editor = ProgramEditor(program)
-    report = PassReport(name="taps")
+    report = PassReport(name=CONTRACT.name)
     paths = _program_module_paths(program)
     rank = None
     if sequence_parallel > 1:
@@ -218,7 +151,7 @@ def _insert_tap(editor, report, tap: Tap, name: str, value, rank, world: int) ->
     full_leading = ((world * leading[0], *leading[1:]) if leading else ()) if world > 1 else leading
     if world > 1 and not leading:
         raise TransformError(f"tap {name!r}: sequence_parallel needs a token dim, but {value.name!r} has shape {tuple(val.shape)}")
-    input_name = _input_name(name)
+    input_name = tap_input_name(name)
     users = list(value.users)
     replacement = editor.add_tensor_input(input_name, (*full_leading, features), dtype, 0, device=val.device)
     enabled = editor.add_tensor_input(input_name + ENABLED_SUFFIX, full_leading, torch.bool, False, device=val.device)
@@ -274,26 +207,26 @@ def report_from_program(program: ExportedProgram, names: Sequence[str] = ()) -> 
     ``tap_rank`` input (``sequence_parallel``) is reported without its bounds, which
     the program does not record.
     """
-    tap_inputs = [n for n in user_input_names(program) if n.startswith(INPUT_PREFIX)]
+    tap_inputs = [n for n in user_input_names(program) if is_tap_input(n)]
     if not tap_inputs:
         return None
-    by_input = {_input_name(n): n for n in names}
+    by_input = {tap_input_name(n): n for n in names}
     nodes = {n.name: n for n in program.graph.nodes}
-    report = PassReport(name="taps")
+    report = PassReport(name=CONTRACT.name)
     if RANK_INPUT in tap_inputs:
         report.inputs_added.append(AddedInput(RANK_INPUT, torch.int64, (), None, doc="this rank's index"))
     values = [n for n in tap_inputs if n + ENABLED_SUFFIX in tap_inputs]
     unpaired = sorted(set(tap_inputs) - set(values) - {n + ENABLED_SUFFIX for n in values} - {RANK_INPUT})
     if unpaired:
         raise TransformError(f"the program has tap inputs {unpaired} without their {ENABLED_SUFFIX!r} flags (or "
-                             "flags without their values): not a program the replacement-tap pass wrote")
+                             "flags without their values): not a program the tap-modules pass wrote")
     computed = {}  # the tapped value's node name -> tap name
     for input_name in values:
         name = by_input.get(input_name, input_name)
         where = wheres_fed_by(nodes[input_name + ENABLED_SUFFIX])
         if len(where) != 1:
             raise TransformError(f"tap input {input_name!r} does not feed one where(enabled, replacement, computed): "
-                                 "not a program the replacement-tap pass wrote")
+                                 "not a program the tap-modules pass wrote")
         computed[where[0].args[2].name] = name
         report.sites.append(_site(name, where[0].args[2].name))
         val, rows = nodes[input_name].meta["val"], nodes[input_name + ENABLED_SUFFIX].meta["val"]

@@ -81,7 +81,7 @@ def test_decomposed_attention_layers_are_never_heads(decomposed):
 def test_decomposed_static_cache_decode_transforms_masks_and_matches_eager(decomposed):
     eager, program = decomposed
     t = nc.transform(program, vocab_size=VOCAB)
-    report = t.report["logit_mask"]
+    report = t.report["mask_logits"]
     assert [i.name for i in report.inputs_added] == ["logit_mask"]
     assert [(s["kind"], s["head"]) for s in report.sites] == [("argmax", 0)]
     run = fresh(t)
@@ -115,7 +115,7 @@ def test_token_generation_bucket_transforms_masks_and_matches_eager(token_gen_mo
     with torch.no_grad():
         program = torch.export.export(step, step.example_inputs(VOCAB))
     t = nc.transform(program, vocab_size=VOCAB - 12)  # the lm_head padded past the tokenizer
-    report = t.report["logit_mask"]
+    report = t.report["mask_logits"]
     assert [i.name for i in report.inputs_added] == ["logit_mask"]
     assert [(s["kind"], s["head"]) for s in report.sites] == [("topk", 0)]
     run = fresh(t)
@@ -186,7 +186,7 @@ def test_a_dequantized_weight_makes_a_head_and_an_input_matrix_does_not():
     model = DequantizedHead()
     ids = random_ids(3, 4, 200)
     t = nc.transform(model, (ids,))
-    assert [(s["kind"], s["head"]) for s in t.report["logit_mask"].sites] == [("argmax", 0)]
+    assert [(s["kind"], s["head"]) for s in t.report["mask_logits"].sites] == [("argmax", 0)]
     assert check_program(t.program) == []
     allowed = random_allowed(3, 200, seed=1)
     with torch.no_grad():
@@ -209,7 +209,7 @@ def test_a_draft_head_beside_eager_attention_is_the_only_second_head():
     attention = [n for n in projections(program.graph) if n.target in (bmm, matmul)]
     assert len(attention) == 2, "expected one widening attention product (q @ k^T) per layer"
     t = nc.transform(program, vocab_size=VOCAB)
-    report = t.report["logit_mask"]
+    report = t.report["mask_logits"]
     assert [i.name for i in report.inputs_added] == ["logit_mask", "logit_mask_1"]
     assert [(s["kind"], s["head"]) for s in report.sites] == [("argmax", 0), ("argmax", 1)]
     assert check_program(t.program, VOCAB) == []

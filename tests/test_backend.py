@@ -130,7 +130,7 @@ def test_inductor_one_graph_for_every_mask_and_tap(arch):
         "tap_model_model_layers_0_mlp", "tap_model_model_layers_0_mlp_enabled",
         "tap_model_model_layers_1_mlp", "tap_model_model_layers_1_mlp_enabled", "logit_mask",
     ]
-    assert report["logit_mask"].sites[0]["kind"] == "argmax"
+    assert report["mask_logits"].sites[0]["kind"] == "argmax"
 
 
 def test_bool_mask_and_eager_inner():

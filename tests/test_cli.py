@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_constrain.passes.mask_logits_pass import MASK_INPUT
+from neuron_constrain.mask_interface import MASK_INPUT
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
 from cli_runner import run_cli as cli
 from cli_runner import run_installed
@@ -65,7 +65,7 @@ def rewritten(plain, workdir) -> dict[str, Path]:
         paths[arch] = workdir / f"{arch}-masked.pt2"
         result = cli("rewrite", path, "-o", paths[arch], "--vocab-size", VOCAB)
         assert result.returncode == 0, result.stderr
-        assert "logit_mask: 1 site(s)" in result.stdout and "input  logit_mask: int32[s" in result.stdout, result.stdout
+        assert "mask_logits: 1 site(s)" in result.stdout and "input  logit_mask: int32[s" in result.stdout, result.stdout
     return paths
 
 
@@ -101,7 +101,7 @@ def test_show_is_the_golden_text_and_diff_reads_both_forms(rewritten, workdir):
 def test_diff_lists_exactly_the_inserted_inputs_and_nodes(plain, rewritten):
     from neuron_constrain import transform
 
-    report = transform(torch.export.load(plain["llama"]), vocab_size=VOCAB).report["logit_mask"]
+    report = transform(torch.export.load(plain["llama"]), vocab_size=VOCAB).report["mask_logits"]
     result = cli("diff", plain["llama"], rewritten["llama"])
     assert result.returncode == 1, result.stderr
     out = result.stdout
@@ -223,7 +223,7 @@ def test_program_without_logits(workdir):
 
 def test_unknown_pass(plain, workdir):
     one_error_line(cli("rewrite", plain["llama"], "-o", workdir / "x.pt2", "--passes", "logit_mask,fuse_everything"),
-                   "unknown pass 'fuse_everything'", "logit_mask")
+                   "unknown pass 'fuse_everything'", "mask_logits")
 
 
 def test_rewrite_with_taps_then_check(plain, workdir):
@@ -231,7 +231,7 @@ def test_rewrite_with_taps_then_check(plain, workdir):
     # the console script: exit 0, the summary on stdout
     result = run_installed("rewrite", plain["llama"], "-o", out, "--tap", "model.layers.*.mlp", "--vocab-size", VOCAB)
     assert result.returncode == 0, result.stderr
-    assert "taps: 2 site(s)" in result.stdout and "logit_mask: 1 site(s)" in result.stdout
+    assert "tap_modules: 2 site(s)" in result.stdout and "mask_logits: 1 site(s)" in result.stdout
     assert cli("check", out, "--vocab-size", VOCAB).returncode == 0
     program = torch.export.load(out)
     inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]

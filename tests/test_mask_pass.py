@@ -89,7 +89,7 @@ CASES = [(arch, kind) for arch in ("llama", "mixtral", "gpt_oss") for kind in ("
 def test_sampled_token_is_always_allowed(arch, kind):
     step, args, plain, t = transformed_step(arch, kind)
     expected_kind = {"greedy": "argmax", "sampling": "sort", "topk": "topk"}[kind]
-    assert [s["kind"] for s in t.report["logit_mask"].sites] == [expected_kind]
+    assert [s["kind"] for s in t.report["mask_logits"].sites] == [expected_kind]
     for seed in range(4):
         allowed = random_allowed(BATCH, VOCAB, seed, density=[0.001, 0.01, 0.3, 0.9][seed])
         torch.manual_seed(seed)
@@ -142,7 +142,7 @@ def test_bare_causal_lm_masks_its_logits_output(arch):
     with torch.no_grad():
         plain = torch.export.export(model, (), kwargs=kwargs)
     t = nc.transform(plain, logit_mask="bool", vocab_size=VOCAB)
-    (site,) = t.report["logit_mask"].sites
+    (site,) = t.report["mask_logits"].sites
     assert site["kind"] == "logits_output" and site["module"] == "lm_head"
     allowed = torch.rand(2, SEQ, VOCAB, generator=torch.Generator().manual_seed(0)) < 0.3
     allowed[..., 5] = True
@@ -162,7 +162,7 @@ def test_bare_causal_lm_masks_its_logits_output(arch):
 
 def test_dynamic_batch_stays_dynamic():
     step, args, _, t = transformed_step("llama", "greedy")
-    (mask_input,) = t.report["logit_mask"].inputs_added
+    (mask_input,) = t.report["mask_logits"].inputs_added
     assert not isinstance(mask_input.shape[0], int), mask_input.shape
     for batch in (1, 2, 5):
         ids = random_ids(batch, SEQ, VOCAB, seed=batch)
@@ -176,7 +176,7 @@ def test_inserted_nodes_carry_metadata_and_are_plain_aten():
     _, _, plain, t = transformed_step("mixtral", "sampling")
     before = {n.name for n in plain.graph.nodes}
     inserted = [n for n in t.program.graph.nodes if n.name not in before and n.op == "call_function"]
-    assert len(inserted) == t.report["logit_mask"].nodes_inserted > 0
+    assert len(inserted) == t.report["mask_logits"].nodes_inserted > 0
     for node in inserted:
         assert "val" in node.meta, node
         assert node.meta.get("nn_module_stack"), node
@@ -256,7 +256,7 @@ def test_fallback_token_policy_emits_that_token_in_graph():
     step, args, plain, _ = transformed_step("llama", "greedy")  # the passes copy: the shared export stays as it is
     eos = 2
     t = nc.transform(plain, vocab_size=VOCAB, empty_row=eos)
-    assert t.report["logit_mask"].outputs_added == []
+    assert t.report["mask_logits"].outputs_added == []
     allowed = random_allowed(BATCH, VOCAB, 4)
     allowed[0] = False
     tokens = t(*args, logit_mask=pack_bool_mask(allowed))

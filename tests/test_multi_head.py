@@ -39,7 +39,7 @@ def test_both_heads_get_their_own_mask_and_pick_their_best_allowed_token(model):
     step = DraftHeadStep(model)
     ids = random_ids(3, 5, VOCAB)
     t = nc.transform(step, (ids,), dynamic_shapes=({0: torch.export.Dim("batch")},))
-    report = t.report["logit_mask"]
+    report = t.report["mask_logits"]
     assert [i.name for i in report.inputs_added] == ["logit_mask", "logit_mask_1"]
     assert [s["head"] for s in report.sites] == [0, 1]
     assert report.outputs_added == ["logit_mask_empty", "logit_mask_1_empty"]
@@ -62,7 +62,7 @@ def test_a_draft_head_of_another_width_is_masked_at_its_own_width(model):
     with pytest.raises(nc.TransformError, match=r"head 1 .*300 wide.* narrower than vocab_size=1000.*vocab_size=\[1000, 300\]"):
         nc.transform(step, (ids,), vocab_size=VOCAB)
     t = nc.transform(step, (ids,), vocab_size=[VOCAB, 300])
-    widths = {i.name: tuple(i.shape) for i in t.report["logit_mask"].inputs_added}
+    widths = {i.name: tuple(i.shape) for i in t.report["mask_logits"].inputs_added}
     assert widths == {"logit_mask": (2, 32), "logit_mask_1": (2, 10)}
     main_logits, draft_logits = eager_logits(step, ids)
     main_allowed, draft_allowed = random_allowed(2, VOCAB, 3), random_allowed(2, 300, 4)
@@ -85,7 +85,7 @@ def test_check_fails_when_one_head_is_unmasked(model):
     t = nc.transform(DraftHeadStep(model), (ids,))
     # Undo the draft head's mask: its argmax reads the raw projection again.
     editor = ProgramEditor(t.program)
-    (site,) = [n for n in editor.graph.nodes if n.name == t.report["logit_mask"].sites[1]["node"]]
+    (site,) = [n for n in editor.graph.nodes if n.name == t.report["mask_logits"].sites[1]["node"]]
     masked = site.args[0]  # where(allowed, logits, -inf)
     assert masked.target == torch.ops.aten.where.self
     raw = masked.args[1]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import neuron_constrain as nc
 from neuron_constrain.errors import EmptyMaskRowError, TransformError
 from neuron_constrain.kernels import apply_logit_bias, apply_min_tokens, apply_min_tokens_and_logit_bias, pack_bool_mask
-from neuron_constrain.passes import logits_processors_pass
+from neuron_constrain.passes import process_logits_pass
 from neuron_constrain.processors import (
     ENTRY_POINT_GROUP,
     BatchUpdate,
@@ -291,11 +291,11 @@ def test_pruning_contract_greedy_has_no_min_p_or_temperature():
     assert added[aten.scatter_add.default] == 2 and added[aten.gather.default] == 1
     names = {i.name for i in processed.report.inputs_added}
     assert "min_p" not in names and "temperature" not in names
-    [site] = processed.report["logits_processors"].sites
+    [site] = processed.report["process_logits"].sites
     assert site["kind"] == "argmax"
     assert site["processors"] == ["min_tokens", "logit_bias", "penalties"]
     assert site["pruned"] == ["temperature", "min_p"]
-    assert any("argmax-invariant" in note for note in processed.report["logits_processors"].notes)
+    assert any("argmax-invariant" in note for note in processed.report["process_logits"].notes)
 
 
 @pytest.mark.parametrize("kind", ["sampling", "topk"])
@@ -304,7 +304,7 @@ def test_pruning_contract_sampling_sites_get_min_p(kind):
     added = op_counts(processed.program) - op_counts(masked.program)
     assert added[aten.log.default] == 1 and added[aten.amax.default] == 2  # min_p's, and the empty-row check's
     assert inserted(processed.program, "min_p")
-    report = processed.report["logits_processors"]
+    report = processed.report["process_logits"]
     [site] = report.sites
     names = {i.name for i in report.inputs_added}
     if kind == "sampling":  # SamplingStep divides by its own temperature: no temperature input
@@ -369,7 +369,7 @@ def test_mixed_graph_only_the_sampling_path_gets_min_p():
     softmax = next(n for n in graph.nodes if n.target in (aten._softmax.default, aten.softmax.int))
     assert prefixes([greedy.args[0].name]) == ["penalty"]
     assert prefixes([softmax.args[0].name]) == ["min_p"]
-    kinds = {s["kind"]: s for s in t.report["logits_processors"].sites}
+    kinds = {s["kind"]: s for s in t.report["process_logits"].sites}
     assert kinds["argmax"]["pruned"] == ["temperature", "min_p"]
     assert kinds["softmax"]["processors"][-2:] == ["temperature", "min_p"]
 
@@ -389,7 +389,7 @@ def test_min_tokens_masking_the_only_allowed_eos():
         with pytest.raises(EmptyMaskRowError) as info:
             t(ids, noise, logit_mask=allowed, **state.inputs())
         assert info.value.rows == [0]
-        assert t.report["logits_processors"].outputs_added == []  # it extended the mask pass's flag
+        assert t.report["process_logits"].outputs_added == []  # it extended the mask pass's flag
         # policy: empty_row=<eos> emits EOS in that row, in-graph
         _, t = synthetic(kind, empty_row=EOS)
         assert "logit_mask_empty" not in [o for r in t.report.passes.values() for o in r.outputs_added]
@@ -400,7 +400,7 @@ def test_min_tokens_masking_the_only_allowed_eos():
 
 def test_without_the_mask_pass_the_flag_is_added():
     module, t = synthetic("greedy", logit_mask=None)
-    assert t.report["logits_processors"].outputs_added == ["logit_mask_empty"]
+    assert t.report["process_logits"].outputs_added == ["logit_mask_empty"]
     state = ProcessorState.for_model(t, 1, eos_token_id=EOS)
     state.update(BatchUpdate(1, added=[(0, RequestParams(logit_bias={EOS: 1.0}), [])]))
     ids, noise = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, WIDTH)
@@ -442,7 +442,7 @@ def test_custom_processor_by_qualname_runs_in_graph():
     t = nc.transform(module, args, dynamic_shapes=({0: BATCH_DIM}, {0: BATCH_DIM}), vocab_size=VOCAB,
                      processors=["min_tokens", spec])
     assert [i.name for i in t.report.inputs_added][-1] == "ban_token"
-    assert t.report["logits_processors"].sites[0]["processors"] == ["min_tokens", "ban"]
+    assert t.report["process_logits"].sites[0]["processors"] == ["min_tokens", "ban"]
     ids = random_ids(2, 3, VOCAB, seed=3)
     first = module.logits(ids)[:, :VOCAB].argmax(-1)
     state = ProcessorState.for_model(t, 2, processors=["min_tokens", spec], eos_token_id=EOS)
@@ -488,17 +488,17 @@ def test_bad_processor_names_raise_at_start_up():
     with pytest.raises(TransformError, match=r"speculative decoding \(num_speculative_tokens=2\) keeps only min_tokens"):
         nc.transform(program, processors=ALL, num_speculative_tokens=2)
     spec = nc.transform(program, processors=["min_tokens"], num_speculative_tokens=2)
-    assert {i.name for i in spec.report["logits_processors"].inputs_added} == {"min_tokens_remaining", "min_tokens_stop_ids"}
+    assert {i.name for i in spec.report["process_logits"].inputs_added} == {"min_tokens_remaining", "min_tokens_stop_ids"}
 
 
 def test_second_application_and_bad_options_raise():
     program, _, processed = llama_steps()["greedy"]
     with pytest.raises(TransformError, match="applied already"):
-        logits_processors_pass(processed.program)
+        process_logits_pass(processed.program)
     with pytest.raises(TransformError, match=r"max_bias_tokens=0: use an int >= 1"):
-        logits_processors_pass(program, max_bias_tokens=0)
+        process_logits_pass(program, max_bias_tokens=0)
     with pytest.raises(TransformError, match=r"vocab_size=300 is larger than the logits' width 256"):
-        logits_processors_pass(program, vocab_size=300)
+        process_logits_pass(program, vocab_size=300)
 
 
 def test_neutral_inputs_change_nothing_and_round_trip(tmp_path):

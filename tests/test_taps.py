@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import neuron_constrain as nc
 from neuron_constrain.errors import InputError, TransformError
-from neuron_constrain.passes import replacement_tap_pass
-from neuron_constrain.passes.tap_modules_pass import match_modules
+from neuron_constrain.passes import tap_modules_pass
+from neuron_constrain.tap_interface import match_modules
 from neuron_constrain.replacement import (
     TensorReplacer,
     active_context,
@@ -103,7 +103,7 @@ def test_all_taps_disabled_is_the_untransformed_model(arch):
 
 def test_tap_inputs_and_report():
     _, _, _, t = tapped("gpt_oss")
-    report = t.report["taps"]
+    report = t.report["tap_modules"]
     assert [s["tap"] for s in report.sites] == [
         "model.model.layers.0.mlp.router", "model.model.layers.1.mlp.router",
         "model.model.layers.0.mlp.router:2", "model.model.layers.1.mlp.router:2",
@@ -143,7 +143,7 @@ def test_sequence_parallel_slices_the_full_replacement_per_rank():
     router = ROUTER["gpt_oss"]
     t = nc.transform(LogitsStep(model), (ids[:2],), dynamic_shapes=DIMS, logit_mask=None, sequence_parallel=2,
                      taps=[router, nc.Tap(router + ":2", capture=True)])
-    assert t.report["taps"].inputs_added[0].name == "tap_rank"
+    assert t.report["tap_modules"].inputs_added[0].name == "tap_rank"
     reference = reference_router_logits("gpt_oss", ids)  # full: all BATCH * SEQ tokens
     local = BATCH // 2 * SEQ
     with active_context(reference):
@@ -198,7 +198,7 @@ def test_switching_taps_compiles_once_on_xla():
     t = nc.transform(LogitsStep(model), (ids,), logit_mask=None, taps=["model.layers.*.mlp"])
     device = xm.xla_device()
     on_xla = to_xla(t, device)  # a copy: t.program stays on the host
-    names = [s["tap"] for s in t.report["taps"].sites]
+    names = [s["tap"] for s in t.report["tap_modules"].sites]
     reference = {n: torch.randn(2, SEQ, 64) for n in names}
     half = torch.tensor([True, False] * SEQ)
     contexts = [None, reference, {n: (v.reshape(2 * SEQ, 64), half) for n, v in reference.items()}, None]
@@ -224,9 +224,9 @@ def test_bad_selector_and_bad_context_are_named():
     with torch.no_grad():
         preserved = torch.export.export(LogitsStep(model), (ids,), preserve_module_call_signature=("model.model.layers.0.mlp.router",))
     with pytest.raises(TransformError, match="no tensor output 5"):
-        replacement_tap_pass(preserved, ["model.layers.0.mlp.router:5"])
+        tap_modules_pass(preserved, ["model.layers.0.mlp.router:5"])
     with pytest.raises(TransformError, match="tap inputs"):
-        replacement_tap_pass(t.program, ["model.layers.0.mlp.router"])
+        tap_modules_pass(t.program, ["model.layers.0.mlp.router"])
     with active_context({"model.model.layers.0.mlp.router": torch.zeros(3, EXPERTS)}):
         with pytest.raises(InputError, match="has shape \\(3, 4\\).*tapped value is \\(20, 4\\)"):
             t(ids)
@@ -239,10 +239,10 @@ def test_program_without_recorded_signature_falls_back_or_explains():
     ids = random_ids(2, SEQ, VOCAB)
     with torch.no_grad():
         plain = torch.export.export(LogitsStep(model), (ids,))
-    program, report = replacement_tap_pass(plain, ["model.layers.0.mlp.experts"])  # one value leaves it
+    program, report = tap_modules_pass(plain, ["model.layers.0.mlp.experts"])  # one value leaves it
     assert report.sites[0]["module"] == "model.model.layers.0.mlp.experts"
     with pytest.raises(TransformError, match="preserve_module_call_signature"):
-        replacement_tap_pass(plain, ["model.layers.0.mlp.router"])  # three values, which is which?
+        tap_modules_pass(plain, ["model.layers.0.mlp.router"])  # three values, which is which?
 
 
 def test_tapped_program_saves_and_runs_without_the_library(tmp_path):
@@ -430,7 +430,7 @@ def test_replacement_contexts_are_per_thread():
     model = tiny_decoder("llama", vocab_size=VOCAB, seed=0)
     ids = random_ids(2, 4, VOCAB)
     t = nc.transform(LogitsStep(model), (ids,), logit_mask=None, taps=["model.layers.0.mlp"])
-    (name,) = {i.tap[0] for i in t.report["taps"].inputs_added}
+    (name,) = {i.tap[0] for i in t.report["tap_modules"].inputs_added}
     hidden = model.config.hidden_size
     references = [torch.full((8, hidden), 0.5), torch.full((8, hidden), -2.0)]
     expected = []

@@ -164,7 +164,7 @@ SINGLE_CASES = [  # (lm_head rows, tokenizer vocab, tp, mask format)
 @pytest.mark.parametrize("vocab,tokenizer_vocab,tp,fmt", SINGLE_CASES)
 def test_one_program_serves_every_rank(vocab, tokenizer_vocab, tp, fmt):
     t = nc.transform(sharded_program(vocab, tp), logit_mask=fmt, vocab_size=tokenizer_vocab, tp_degree=tp)
-    (site,) = t.report["logit_mask"].sites
+    (site,) = t.report["mask_logits"].sites
     assert site["kind"] == "max"
     assert [i.name for i in t.report.inputs_added] == ["logit_mask", "tp_rank"]
     assert [n.name for n in t.program.graph.nodes if n.op == "placeholder"][-2:] == ["logit_mask", "tp_rank"]
@@ -189,7 +189,7 @@ def test_no_rank_is_baked_into_the_program():
     t = nc.transform(sharded_program(1001, 3), vocab_size=1001, tp_degree=3)
     rank_input = next(n for n in t.program.graph.nodes if n.name == "tp_rank")
     inserted = [n for n in t.program.graph.nodes if n.name.startswith("logit_mask_") and n.op == "call_function"]
-    assert len(inserted) == t.report["logit_mask"].nodes_inserted
+    assert len(inserted) == t.report["mask_logits"].nodes_inserted
     # op-count contract: the shard's columns come from tp_rank; gather words and bits, one where(.., -inf)
     ops = [n.target for n in inserted]
     masks = [n for n in inserted if n.target == aten.where.self and n.args[2].target == aten.scalar_tensor.default
@@ -246,7 +246,7 @@ def test_bad_tp_options_name_the_fix():
         nc.transform(full, vocab_size=1001, tp_degree=4)
     # vocab_size defaults to the gathered width: every column a token
     t = nc.transform(program, logit_mask="bool", tp_degree=3)
-    assert t.report["logit_mask"].inputs_added[0].shape[-1] == 1002
+    assert t.report["mask_logits"].inputs_added[0].shape[-1] == 1002
 
 
 def test_save_load_round_trip_takes_tp_rank(tmp_path):

@@ -1,5 +1,5 @@
 """Logits processors: which ones exist, how custom ones load, and the host state that
-feeds the graph inputs the logits-processors pass adds.
+feeds the graph inputs the process-logits pass adds.
 
 Built-ins, in graph order (see ``neuron_constrain.passes.process_logits_pass``)::
 

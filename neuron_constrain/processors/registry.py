@@ -1,6 +1,6 @@
 """What a logits processor is: the built-ins (their graph inputs with dtype, per-row
 shape and neutral fill, kernel and order), custom ``LogitsProcessor`` subclasses and
-how names resolve. Imported by the logits-processors pass and by the host state.
+how names resolve. Imported by the process-logits pass and by the host state.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from neuron_constrain.kernels import (
 )
 from neuron_constrain.processors.params import RequestParams
 
-PASS_NAME = "logits_processors"  # the key of the pass's entry in a TransformReport
+PASS_NAME = "process_logits"  # the key of the pass's entry in a TransformReport
 BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
 ENTRY_POINT_GROUP = "neuron_constrain.processors"
 

@@ -37,7 +37,8 @@ from typing import Sequence
 import torch
 
 from neuron_constrain.errors import InputError
-from neuron_constrain.passes.tap_modules_pass import CAPTURE_PREFIX, Tap, as_taps, match_modules, report_from_program
+from neuron_constrain.passes.tap_modules_pass import report_from_program
+from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
 from neuron_constrain.program import user_input_names
 from neuron_constrain.replacement.localization_report import LocalizationReport, LocalizationRow, LogitsError
 from neuron_constrain.replacement.replacer import TensorReplacer
@@ -175,7 +176,7 @@ def _capturing(tap: Tap) -> Tap:
 
 def _graph_order(transformed) -> list[str]:
     """Tap names in the order the graph computes the tapped values."""
-    report = transformed.report.passes.get("taps")
+    report = transformed.report.passes.get("tap_modules")
     if report is None:
         return []
     position = {node.name: i for i, node in enumerate(transformed.program.graph.nodes)}

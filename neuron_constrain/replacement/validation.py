@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 import torch
 
 from neuron_constrain.errors import InputError
-from neuron_constrain.passes.tap_modules_pass import as_taps, match_modules
+from neuron_constrain.tap_interface import as_taps, match_modules
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.tap_context import active_context
 

@@ -20,7 +20,7 @@ class VocabShardedGreedyStep(torch.nn.Module):
     shard)``, ``shard = ceil(V / world_size)``; the last shard is padded with zero rows.
     ``input_ids [B, S] -> (value [B], index [B])``: the max of this rank's shard of the
     last logits and its column within the shard (``max.dim``, the sampling site the
-    logit-mask pass masks before). :func:`greedy_across_ranks` picks the token.
+    mask-logits pass masks before). :func:`greedy_across_ranks` picks the token.
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, world_size: int):

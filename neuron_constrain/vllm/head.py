@@ -9,15 +9,15 @@ speculative decoding one per draft position plus the bonus position) and runs
                                                -> top-k, top-p, softmax, exponential race
                                                -> verify the draft tokens (greedy / rejection sampling)
 
-``neuron_constrain.transform`` then rewrites its exported program: the logit-mask pass
+``neuron_constrain.transform`` then rewrites its exported program: the mask-logits pass
 adds ``logit_mask`` (packed int32, ``-1`` rows = all allowed) in front of every sampling
-site, so each draft position is masked with its own grammar row; the logits-processors
+site, so each draft position is masked with its own grammar row; the process-logits
 pass adds min_tokens, logit_bias and penalties after the mask and a per-row temperature
 + min_p in front of the sampling sites. One program per batch bucket (static shapes, as
 on an accelerator); every input is fed every step, so any mix of constrained /
 unconstrained rows, sampling parameters and draft lengths runs the same program.
 
-``LogprobHead`` is the logprobs program: the same lm_head, the logit-mask pass only (no
+``LogprobHead`` is the logprobs program: the same lm_head, the mask-logits pass only (no
 processors), then ``log_softmax``, the top ``k`` and the emitted token's logprob and rank.
 These are vLLM's default ``raw_logprobs``: vLLM applies the grammar bitmask to the
 logits in place before its sampler and computes logprobs before any processor, so they
