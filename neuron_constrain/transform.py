@@ -13,6 +13,7 @@ from neuron_constrain.tap_context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import mask_logits_pass, process_logits_pass, tap_modules_pass
 from neuron_constrain.mask_interface import is_empty_output
+from neuron_constrain.processors.registry import DEFAULT_WIDTHS
 from neuron_constrain.report import AddedInput, TransformReport, unsizable
 from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
 
@@ -246,9 +247,9 @@ def transform(
     taps: Sequence[str | Tap] = (),
     sequence_parallel: int = 1,
     processors: Sequence | None = None,
-    max_stop_tokens: int = 4,
-    max_bias_tokens: int = 16,
-    max_penalty_tokens: int = 1024,
+    max_stop_tokens: int = DEFAULT_WIDTHS["max_stop_tokens"],
+    max_bias_tokens: int = DEFAULT_WIDTHS["max_bias_tokens"],
+    max_penalty_tokens: int = DEFAULT_WIDTHS["max_penalty_tokens"],
     num_speculative_tokens: int = 0,
     strict: bool = False,
 ) -> Transformed:

@@ -83,9 +83,11 @@ from neuron_constrain.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empt
 from neuron_constrain.processors.registry import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
+    DEFAULT_WIDTHS,
     DOCS,
     KERNELS,
     PASS_NAME,
+    WIDTH_OPTIONS,
     ProcessorError,
     builtin_inputs,
     fuse_adjacent,
@@ -136,9 +138,9 @@ def process_logits_pass(
     processors=BUILTIN_PROCESSORS,
     vocab_size: int | None = None,
     empty_row: str | int = "flag",
-    max_stop_tokens: int = 4,
-    max_bias_tokens: int = 16,
-    max_penalty_tokens: int = 1024,
+    max_stop_tokens: int = DEFAULT_WIDTHS["max_stop_tokens"],
+    max_bias_tokens: int = DEFAULT_WIDTHS["max_bias_tokens"],
+    max_penalty_tokens: int = DEFAULT_WIDTHS["max_penalty_tokens"],
     num_speculative_tokens: int = 0,
 ) -> tuple[ExportedProgram, PassReport]:
     try:
@@ -184,7 +186,9 @@ def process_logits_pass(
     report = PassReport(name=PASS_NAME)
     first = plan.points[0].meta["val"]
     rows = tuple(first.shape[:-1])
-    sizes = {"S": max_stop_tokens, "K": max_bias_tokens, "L": max_penalty_tokens}
+    widths = {"max_stop_tokens": max_stop_tokens, "max_bias_tokens": max_bias_tokens,
+              "max_penalty_tokens": max_penalty_tokens}
+    sizes = {key: widths[option] for key, option in WIDTH_OPTIONS.items()}
     nodes: dict[str, torch.fx.Node] = {}
 
     def add_input(name, dtype, trailing, fill, doc):

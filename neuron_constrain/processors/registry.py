@@ -22,6 +22,9 @@ from neuron_constrain.processors.params import RequestParams
 
 PASS_NAME = "process_logits"  # the key of the pass's entry in a TransformReport
 BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
+# the fixed per-row widths "S" / "K" / "L" of the built-in inputs: the option that sets each, and its default
+WIDTH_OPTIONS = {"S": "max_stop_tokens", "K": "max_bias_tokens", "L": "max_penalty_tokens"}
+DEFAULT_WIDTHS = {"max_stop_tokens": 4, "max_bias_tokens": 16, "max_penalty_tokens": 1024}
 ENTRY_POINT_GROUP = "neuron_constrain.processors"
 
 

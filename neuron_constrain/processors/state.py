@@ -1,5 +1,6 @@
-"""Host state for the logits-processors pass: batch updates and the per-slot tensors
-fed to the graph inputs the pass added (per-request parameters: ``params.py``)."""
+"""Host state for the process-logits pass: batch updates and the per-slot requests whose
+rows feed the graph inputs the pass added (per-request parameters: ``params.py``; the
+rows themselves: ``rows.py``, the one writer of processor rows)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,17 +8,12 @@ import math
 import operator
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from neuron_constrain.processors.params import RequestParams
-from neuron_constrain.processors.registry import (
-    BUILTIN_INPUTS,
-    BUILTIN_PROCESSORS,
-    PASS_NAME,
-    ProcessorError,
-    builtin_inputs,
-    resolve_processors,
-)
+from neuron_constrain.processors.registry import DEFAULT_WIDTHS, PASS_NAME, BUILTIN_PROCESSORS, ProcessorError, resolve_processors
+from neuron_constrain.processors.rows import NEUTRAL, ProcessorInputs, RequestRows, write_rows
 
 MOVE, SWAP = "move", "swap"
 
@@ -65,45 +61,41 @@ class ProcessorState:
         *,
         vocab_size: int,
         processors: Sequence | None = BUILTIN_PROCESSORS,
-        max_stop_tokens: int = 4,
-        max_bias_tokens: int = 16,
-        max_penalty_tokens: int = 1024,
+        max_stop_tokens: int = DEFAULT_WIDTHS["max_stop_tokens"],
+        max_bias_tokens: int = DEFAULT_WIDTHS["max_bias_tokens"],
+        max_penalty_tokens: int = DEFAULT_WIDTHS["max_penalty_tokens"],
         num_speculative_tokens: int = 0,
         eos_token_id: int | None = None,
         input_names: Sequence[str] | None = None,
+        inputs: ProcessorInputs | None = None,
     ):
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.spec_rows = 1 + num_speculative_tokens
         self.eos_token_id = eos_token_id
         self.processors = resolve_processors(processors, num_speculative_tokens=num_speculative_tokens)
-        sizes = {"S": max_stop_tokens, "K": max_bias_tokens, "L": max_penalty_tokens}
-        # name -> (group, dtype, per-row shape, fill)
-        self._specs: dict[str, tuple] = {}
-        for proc in self.processors:
-            if isinstance(proc, str):
-                for name in builtin_inputs(proc):
-                    group, dtype, shape, fill = BUILTIN_INPUTS[name]
-                    self._specs[name] = (group, dtype, tuple(sizes[d] for d in shape), fill)
-            else:
-                for key, (dtype, shape, fill) in proc.inputs.items():
-                    self._specs[proc.input_name(key)] = (proc.name, dtype, tuple(shape), fill)
+        widths = {"max_stop_tokens": max_stop_tokens, "max_bias_tokens": max_bias_tokens,
+                  "max_penalty_tokens": max_penalty_tokens}
+        self.inputs_of = inputs or ProcessorInputs.for_processors(self.processors, widths)
         if input_names is not None:
-            unknown = sorted(set(input_names) - set(self._specs))
+            unknown = sorted(set(input_names) - set(self.inputs_of.specs))
             if unknown:
                 raise ProcessorError(
                     f"the graph takes processor inputs {unknown} that processors={self._names()} do not feed; "
                     "pass the processors list given to transform()"
                 )
-            self._specs = {k: v for k, v in self._specs.items() if k in input_names}
-        self.storage = {
-            name: torch.full((max_num_reqs, *shape), fill, dtype=dtype) for name, (_, dtype, shape, fill) in self._specs.items()
-        }
-        self.groups = {g for g, *_ in self._specs.values()}
-        self.uses: dict[str, set[int]] = {g: set() for g in self.groups}  # group -> slots with non-neutral rows
+            self.inputs_of = self.inputs_of.only(input_names)
+        specs = self.inputs_of.specs
+        # the rows write_rows fills: one per slot and draft position
+        self.storage = {name: torch.full((max_num_reqs * self.spec_rows, *shape), fill, dtype=dtype)
+                        for name, (_, dtype, shape, fill) in specs.items()}
+        self._views = {name: t.numpy() if t.dtype != torch.bfloat16 else t for name, t in self.storage.items()}
+        self.groups = self.inputs_of.groups
+        self._dirty: set[str] = set()  # groups whose stored rows are not neutral
         self.requests: list[RequestParams | None] = [None] * max_num_reqs
-        # penalties: per slot, token id -> its column in penalty_token_ids / _counts
-        self.columns: list[dict[int, int]] = [{} for _ in range(max_num_reqs)]
+        self.rows: list[RequestRows] = [NEUTRAL] * max_num_reqs
+        self.outputs: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.seen: list[set[int] | None] = [None] * max_num_reqs  # penalties: distinct tokens of prompt + output
         self.batch_size = 0
         self._cache: dict[str, torch.Tensor] | None = None
         self._neutral: dict[tuple[str, int], torch.Tensor] = {}
@@ -114,94 +106,73 @@ class ProcessorState:
         if PASS_NAME not in model.report.passes:
             raise ProcessorError("the model was transformed without processors; pass processors=[...] to transform()")
         report = model.report.passes[PASS_NAME]
-        added = {i.name: i for i in report.inputs_added}
         options.setdefault("vocab_size", report.sites[0]["vocab_size"])
-        if "min_tokens_stop_ids" in added:
-            options.setdefault("max_stop_tokens", int(added["min_tokens_stop_ids"].shape[-1]))
-        if "logit_bias_ids" in added:
-            options.setdefault("max_bias_tokens", int(added["logit_bias_ids"].shape[-1]))
-        if "penalty_token_ids" in added:
-            options.setdefault("max_penalty_tokens", int(added["penalty_token_ids"].shape[-1]))
+        resolved = None if processors is None else resolve_processors(
+            processors, num_speculative_tokens=options.get("num_speculative_tokens", 0))
+        inputs = ProcessorInputs.from_report(report, resolved)
         if processors is None:
-            processors = [p for p in BUILTIN_PROCESSORS if any(n in added for n in builtin_inputs(p))]
-        return cls(max_num_reqs, processors=processors, input_names=list(added), **options)
+            processors = [p for p in BUILTIN_PROCESSORS if p in inputs.groups]
+        for key, name in (("max_stop_tokens", "min_tokens_stop_ids"), ("max_bias_tokens", "logit_bias_ids"),
+                          ("max_penalty_tokens", "penalty_token_ids")):
+            if name in inputs.specs:
+                options.setdefault(key, inputs.width(name))
+        return cls(max_num_reqs, processors=processors, input_names=[i.name for i in report.inputs_added],
+                   inputs=inputs, **options)
 
     def _names(self) -> list[str]:
         return [p if isinstance(p, str) else p.name for p in self.processors]
 
     # ------------------------------------------------------------------ per-request rows
-    def _rows(self, params: RequestParams, prompt: Sequence[int], output: Sequence[int]) -> dict[str, dict]:
-        """group -> {input name: row value} for the groups this request uses (non-neutral)."""
+    def _rows(self, params: RequestParams, prompt: Sequence[int], output: Sequence[int]) -> RequestRows:
+        """What this request gives its rows, after checking it fits the graph's widths."""
         self._check_params(params, prompt, output)
-        rows: dict[str, dict] = {}
+        specs = self.inputs_of.specs
+        stops = []
         if "min_tokens" in self.groups and params.min_tokens > len(output):
             stops = list(dict.fromkeys([*params.stop_token_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])]))
-            limit = self._specs["min_tokens_stop_ids"][2][0]
+            limit = self.inputs_of.width("min_tokens_stop_ids")
             if len(stops) > limit:
                 raise ProcessorError(
                     f"a request has {len(stops)} stop ids (EOS included) but the graph holds max_stop_tokens={limit}; "
                     f"transform with max_stop_tokens>={len(stops)}"
                 )
             self._check_ids(stops, "stop_token_ids")
-            if stops:
-                rows["min_tokens"] = {
-                    "min_tokens_remaining": params.min_tokens - len(output),
-                    "min_tokens_stop_ids": stops + [-1] * (limit - len(stops)),
-                }
-        if "logit_bias" in self.groups and params.logit_bias:
-            limit = self._specs["logit_bias_ids"][2][0]
-            if len(params.logit_bias) > limit:
+        bias = params.logit_bias if "logit_bias" in self.groups else None
+        if bias:
+            limit = self.inputs_of.width("logit_bias_ids")
+            if len(bias) > limit:
                 raise ProcessorError(
-                    f"a request biases {len(params.logit_bias)} tokens but the graph holds max_bias_tokens={limit}; "
-                    f"transform with max_bias_tokens>={len(params.logit_bias)}"
+                    f"a request biases {len(bias)} tokens but the graph holds max_bias_tokens={limit}; "
+                    f"transform with max_bias_tokens>={len(bias)}"
                 )
-            ids = [int(i) for i in params.logit_bias]
-            self._check_ids(ids, "logit_bias")
-            values = [float(v) for v in params.logit_bias.values()]
-            if any(math.isnan(v) or v == math.inf for v in values):
-                raise ProcessorError(f"logit_bias values {values} include NaN or +inf; use finite values or -inf to ban")
-            pad = limit - len(ids)
-            rows["logit_bias"] = {"logit_bias_ids": ids + [-1] * pad, "logit_bias_values": values + [0.0] * pad}
-        if "penalties" in self.groups:
-            rep, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
-            if (rep, freq, pres) != (1.0, 0.0, 0.0):
-                columns = {int(t): i for i, t in enumerate(dict.fromkeys([*prompt, *output]))}
-                limit = self._specs["penalty_token_ids"][2][0]
-                if len(columns) > limit:
-                    raise ProcessorError(
-                        f"a request has seen {len(columns)} distinct tokens but the graph holds max_penalty_tokens={limit}; "
-                        f"transform with max_penalty_tokens>={len(columns)} (prompt + max output length)"
-                    )
-                counts = [0] * limit
-                for token in output:
-                    counts[columns[int(token)]] += 1
-                rows["penalties"] = {
-                    "penalty_repetition": rep,
-                    "penalty_frequency": freq,
-                    "penalty_presence": pres,
-                    "penalty_token_ids": list(columns) + [-1] * (limit - len(columns)),
-                    "penalty_token_counts": counts,
-                    "columns": columns,
-                }
+        penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        if "penalties" not in self.groups:
+            penalties = (1.0, 0.0, 0.0)
+        elif penalties != (1.0, 0.0, 0.0):
+            distinct = len(set(map(int, prompt)) | set(map(int, output)))
+            limit = self.inputs_of.width("penalty_token_ids")
+            if distinct > limit:
+                raise ProcessorError(
+                    f"a request has seen {distinct} distinct tokens but the graph holds max_penalty_tokens={limit}; "
+                    f"transform with max_penalty_tokens>={distinct} (prompt + max output length)"
+                )
+        min_p, temperature = 0.0, 1.0
         if "min_p" in self.groups:
             if not params.temperature > 0:  # a sampling graph divides by it
                 raise ProcessorError(
                     f"min_p={params.min_p}, temperature={params.temperature}: min_p must be in [0, 1] and temperature > 0 "
                     "(greedy requests use a greedy graph; min_p and temperature do not change an argmax)"
                 )
-            row = {"min_p": params.min_p, "temperature": params.temperature}
-            row = {k: v for k, v in row.items() if k in self._specs}
-            if params.min_p or params.temperature != 1.0:
-                rows["min_p"] = row
+            min_p = params.min_p
+            temperature = params.temperature if "temperature" in specs else 1.0
+        custom = {}
         for proc in self.processors:
-            if isinstance(proc, str):
-                continue
-            values = proc.row(params)
-            if values:
-                rows[proc.name] = {proc.input_name(k): v for k, v in values.items()}
-        return {
-            g: {k: v for k, v in r.items() if k in self._specs or k == "columns"} for g, r in rows.items() if g in self.groups
-        }
+            if not isinstance(proc, str) and proc.name in self.groups:
+                values = proc.row(params)
+                if values:
+                    custom[proc.name] = {n: v for k, v in values.items() if (n := proc.input_name(k)) in specs}
+        return RequestRows(min_tokens=params.min_tokens, stop_ids=stops, logit_bias=bias, min_p=min_p,
+                           temperature=temperature, penalties=penalties, prompt=prompt, custom=custom)
 
     def _check_params(self, params: RequestParams, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Every documented constraint, whichever processors the graph has: a value the
@@ -238,15 +209,9 @@ class ProcessorState:
 
     # ------------------------------------------------------------------ batch updates
     def _clear(self, slot: int) -> None:
-        self.requests[slot] = None
-        self.columns[slot] = {}
-        for group, slots in self.uses.items():
-            if slot in slots:
-                slots.discard(slot)
-                for name, (g, _, _, fill) in self._specs.items():
-                    if g == group:
-                        self.storage[name][slot] = fill
-                self._cache = None
+        if self.requests[slot] is not None or self.rows[slot] is not NEUTRAL:
+            self._cache = None
+        self.requests[slot], self.rows[slot], self.outputs[slot], self.seen[slot] = None, NEUTRAL, [], None
 
     def _check_slot(self, slot: int) -> None:
         if not _is_index(slot):
@@ -255,7 +220,7 @@ class ProcessorState:
             raise ProcessorError(f"batch slot {slot} is outside [0, {self.max_num_reqs}); raise max_num_reqs")
 
     def update(self, batch: BatchUpdate | None) -> None:
-        """Apply removed, then added, then moved; rows are rebuilt only where something changed."""
+        """Apply removed, then added, then moved; the rows are rewritten only when something changed."""
         if batch is None:
             return
         if not _is_index(batch.batch_size) or not 0 <= batch.batch_size <= self.max_num_reqs:
@@ -265,17 +230,13 @@ class ProcessorState:
             self._clear(slot)
         for slot, params, prompt, *rest in batch.added:
             self._check_slot(slot)
-            rows = self._rows(params, prompt, rest[0] if rest else ())  # validate before touching the slot
+            output = list(rest[0]) if rest else []
+            rows = self._rows(params, prompt, output)  # validate before touching the slot
             self._clear(slot)
-            self.requests[slot] = params
-            for group, values in rows.items():
-                for name, value in values.items():
-                    if name == "columns":
-                        self.columns[slot] = value
-                        continue
-                    self.storage[name][slot] = torch.as_tensor(value, dtype=self._specs[name][1])
-                self.uses[group].add(slot)
-                self._cache = None
+            self.requests[slot], self.rows[slot], self.outputs[slot] = params, rows, output
+            if rows.penalties is not None:
+                self.seen[slot] = set(map(int, prompt)) | set(map(int, output))
+            self._cache = None
         for a, b, kind in batch.moved:
             self._check_slot(a)
             self._check_slot(b)
@@ -287,26 +248,13 @@ class ProcessorState:
             self._cache = None
 
     def _move(self, a: int, b: int, swap: bool) -> None:
-        self.requests[a], self.requests[b] = (self.requests[b] if swap else None), self.requests[a]
-        self.columns[a], self.columns[b] = (self.columns[b] if swap else {}), self.columns[a]
-        for group, slots in self.uses.items():
-            in_a, in_b = a in slots, b in slots
-            if not (in_a or in_b):
-                continue
-            for name, (g, _, _, fill) in self._specs.items():
-                if g != group:
-                    continue
-                store = self.storage[name]
-                row_a = store[a].clone()
-                store[a] = store[b] if swap else fill
-                store[b] = row_a
-            slots.discard(a)
-            slots.discard(b)
-            if in_a:
-                slots.add(b)
-            if in_b and swap:
-                slots.add(a)
-            self._cache = None
+        if self.requests[a] is None and self.requests[b] is None:
+            return
+        for slots in (self.requests, self.rows, self.outputs, self.seen):
+            slots[a], slots[b] = slots[b], slots[a]
+        if not swap:
+            self._clear(a)
+        self._cache = None
 
     def append_tokens(self, tokens) -> None:
         """Count the tokens just sampled: ``tokens[row]`` an int (or a list of accepted
@@ -315,41 +263,23 @@ class ProcessorState:
         if len(rows) != self.batch_size:
             raise ProcessorError(f"append_tokens got {len(rows)} rows but the batch has {self.batch_size}")
         self._check_ids([t for row in rows for t in (row if isinstance(row, list) else [row])], "sampled tokens")
-        for slot in sorted(self.uses.get("min_tokens", ())):
-            if slot >= self.batch_size:
-                continue
-            accepted = rows[slot] if isinstance(rows[slot], list) else [rows[slot]]
-            remaining = self.storage["min_tokens_remaining"]
-            left = int(remaining[slot]) - len(accepted)
-            if left <= 0:
-                self._clear_group(slot, "min_tokens")
-            else:
-                remaining[slot] = left
+        for slot, row in enumerate(rows):
+            request = self.rows[slot]
+            counting = request.stops is not None and len(self.outputs[slot]) < request.min_tokens
+            if not counting and request.penalties is None:
+                continue  # nothing of this request's rows depends on its output
+            accepted = row if isinstance(row, list) else [row]
+            seen = self.seen[slot]
+            if seen is not None:
+                limit = self.inputs_of.width("penalty_token_ids")
+                seen.update(int(t) for t in accepted)
+                if len(seen) > limit:
+                    raise ProcessorError(
+                        f"the request in slot {slot} has seen more than max_penalty_tokens={limit} "
+                        "distinct tokens; transform with a larger max_penalty_tokens (prompt + max output length)"
+                    )
+            self.outputs[slot].extend(int(t) for t in accepted)
             self._cache = None
-        for slot in sorted(self.uses.get("penalties", ())):
-            if slot >= self.batch_size:
-                continue
-            accepted = rows[slot] if isinstance(rows[slot], list) else [rows[slot]]
-            self._check_ids(accepted, "sampled tokens")
-            columns = self.columns[slot]
-            ids, counts = self.storage["penalty_token_ids"][slot], self.storage["penalty_token_counts"][slot]
-            for token in accepted:
-                if token not in columns:
-                    if len(columns) == ids.shape[0]:
-                        raise ProcessorError(
-                            f"the request in slot {slot} has seen more than max_penalty_tokens={ids.shape[0]} "
-                            "distinct tokens; transform with a larger max_penalty_tokens (prompt + max output length)"
-                        )
-                    columns[token] = len(columns)
-                    ids[columns[token]] = token
-                counts[columns[token]] += 1
-            self._cache = None
-
-    def _clear_group(self, slot: int, group: str) -> None:
-        self.uses[group].discard(slot)
-        for name, (g, _, _, fill) in self._specs.items():
-            if g == group:
-                self.storage[name][slot] = fill
 
     # ------------------------------------------------------------------ graph inputs
     def inputs(self) -> dict[str, torch.Tensor]:
@@ -361,21 +291,18 @@ class ProcessorState:
         """
         if self._cache is not None:
             return self._cache
-        rows = self.batch_size
+        n, spec = self.batch_size, self.spec_rows
+        rows = n * spec
+        used = write_rows(self._views, self.inputs_of, self.rows[:n], req=np.repeat(np.arange(n), spec),
+                          pos=np.tile(np.arange(spec), n), outputs=self.outputs[:n], dirty=self._dirty)
         out = {}
-        for name, (group, dtype, shape, fill) in self._specs.items():
-            if not any(s < rows for s in self.uses[group]):  # nobody uses it: neutral, no per-slot work
-                key = (name, rows)
-                if key not in self._neutral:
-                    self._neutral[key] = torch.full((rows * self.spec_rows, *shape), fill, dtype=dtype)
-                out[name] = self._neutral[key]
-            elif self.spec_rows == 1:
+        for name, (group, dtype, shape, fill) in self.inputs_of.specs.items():
+            if group in used:
                 out[name] = self.storage[name][:rows]
-            else:  # one row per request and draft position (only min_tokens runs with drafts)
-                value = self.storage[name][:rows].repeat_interleave(self.spec_rows, 0)
-                if name == "min_tokens_remaining":
-                    offset = torch.arange(self.spec_rows, dtype=value.dtype).repeat(rows)
-                    value = (value - offset).clamp(min=0)
-                out[name] = value
+                continue
+            key = (name, rows)  # nobody uses it: a shared neutral tensor
+            if key not in self._neutral:
+                self._neutral[key] = torch.full((rows, *shape), fill, dtype=dtype)
+            out[name] = self._neutral[key]
         self._cache = out
         return out

@@ -1,7 +1,7 @@
 """Where each request's rows are in a step's head batch, and what a request's params give its rows.
 
     layout = BatchLayout(requests, spec_decode_metadata)   # 1 + d_i rows per request with speculation
-    consts = RequestConsts(params, prompt_ids, stop_width)
+    rows = request_rows(params, prompt_ids, stop_width)     # processors/rows.py writes them
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
+from neuron_constrain.processors.rows import RequestRows
 from neuron_constrain.vllm import MAX_BIAS_TOKENS
 from neuron_constrain.vllm.head import NO_TOKEN
 
@@ -66,30 +67,18 @@ def spread(logprobs: LogprobsTensors, layout: BatchLayout, width: int) -> Logpro
     return LogprobsTensors(ids, values, ranks)
 
 
-class RequestConsts:
-    """What the head's per-request inputs need from a request's ``SamplingParams`` (fixed per request).
+def request_rows(params, prompt_token_ids, stop_width: int, req_id: str = "?") -> RequestRows:
+    """What the head's processor inputs need from a request's ``SamplingParams`` (fixed per request).
 
     ``stop_width`` is the program's stop-id width, sized from the model (the validator's
     limit on a request's own stop ids plus the model's EOS ids): every stop id fits.
     """
-
-    __slots__ = ("params", "min_tokens", "stops", "bias_ids", "bias_values", "min_p", "prompt_unique")
-
-    def __init__(self, params, prompt_token_ids, stop_width: int, req_id: str = "?"):
-        self.params = params
-        self.min_tokens = int(params.min_tokens or 0)
-        self.stops = None
-        if self.min_tokens:
-            stops = sorted(params.all_stop_token_ids)
-            if len(stops) > stop_width:  # the validator and the sizing make this unreachable; never silent
-                log.error("neuron_constrain: request %s has %d stop ids with min_tokens, more than the program's "
-                          "%d: min_tokens masks only the first %d", req_id, len(stops), stop_width, stop_width)
-                stops = stops[:stop_width]
-            self.stops = np.asarray(stops, dtype=np.int64)
-        self.bias_ids = self.bias_values = None
-        if params.logit_bias:
-            items = list(params.logit_bias.items())[:MAX_BIAS_TOKENS]
-            self.bias_ids = np.asarray([int(t) for t, _ in items], dtype=np.int64)
-            self.bias_values = np.asarray([float(v) for _, v in items], dtype=np.float32)
-        self.min_p = float(params.min_p or 0.0)
-        self.prompt_unique = np.unique(np.asarray(prompt_token_ids or [], dtype=np.int64))
+    stops = sorted(params.all_stop_token_ids) if params.min_tokens else []
+    if len(stops) > stop_width:  # the validator and the sizing make this unreachable; never silent
+        log.error("neuron_constrain: request %s has %d stop ids with min_tokens, more than the program's "
+                  "%d: min_tokens masks only the first %d", req_id, len(stops), stop_width, stop_width)
+        stops = stops[:stop_width]
+    bias = dict(list(params.logit_bias.items())[:MAX_BIAS_TOKENS]) if params.logit_bias else None
+    return RequestRows(min_tokens=params.min_tokens, stop_ids=stops, logit_bias=bias, min_p=params.min_p,
+                       penalties=(params.repetition_penalty, params.frequency_penalty, params.presence_penalty),
+                       prompt=prompt_token_ids or ())

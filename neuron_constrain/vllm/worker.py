@@ -56,7 +56,8 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
-from neuron_constrain.vllm.batch_layout import BatchLayout, RequestConsts, spread  # noqa: E402
+from neuron_constrain.processors.rows import ProcessorInputs, RequestRows, write_rows  # noqa: E402
+from neuron_constrain.vllm.batch_layout import BatchLayout, request_rows, spread  # noqa: E402
 from neuron_constrain.vllm.config import (  # noqa: E402
     ConfigError, no_custom_logits_processors_with_speculation, check_config, model_eos_ids,
 )
@@ -67,24 +68,6 @@ from neuron_constrain.vllm.lm_head import tensor_parallel_rank, find_lm_head, ga
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
 _SAMPLING_EPS = 1e-5  # vLLM's: temperature below it is greedy
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 class NeuronConstrainModelRunner(CPUModelRunner):
@@ -101,9 +84,10 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0, "draft_rows": 0,
                           "drafts_accepted": 0, "logprob_steps": 0, "fill_seconds": 0.0, "head_seconds": 0.0,
                           "logprob_seconds": 0.0}
-        self._nc_consts: dict[str, RequestConsts] = {}
+        self._nc_rows: dict[str, tuple[object, RequestRows]] = {}  # req_id -> (its SamplingParams, its rows)
         self._nc_views: dict[int, dict[str, np.ndarray]] = {}
-        self._nc_dirty: dict[int, set[str]] = {}  # per bucket: sparse processor inputs not neutral now
+        self._nc_dirty: dict[int, set[str]] = {}  # per bucket: processor groups whose rows are not neutral now
+        self._nc_processor_inputs: dict[int, ProcessorInputs] = {}
         path = os.environ.get(METRICS_ENV) or None
         self._nc_rank = tensor_parallel_rank()
         if path and self._nc_rank:  # with tensor parallelism each rank writes its own file
@@ -245,7 +229,9 @@ class NeuronConstrainModelRunner(CPUModelRunner):
                                   "first_row", "uniform")}
             views.update({name: t.numpy() for name, t in inputs.processors.items()})
             self._nc_views[bucket] = views
-            self._nc_dirty[bucket] = {"min_tokens", "logit_bias", "min_p", "penalties"}  # reset on first use
+            description = ProcessorInputs.from_report(self.head.programs[bucket].report["process_logits"])
+            self._nc_processor_inputs[bucket] = description
+            self._nc_dirty[bucket] = set(description.groups)  # reset on first use
         return views
 
     def _fill_mask(self, mask: np.ndarray, layout: BatchLayout) -> None:
@@ -271,16 +257,16 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             mask[batch_rows] = grammar_output.grammar_bitmask[compact]
             self._nc_stats["constrained_rows"] += len(batch_rows)
 
-    def _request_consts(self, req_id: str) -> RequestConsts:
-        """Per-request constants of the head's inputs, computed once per request."""
+    def _request_rows(self, req_id: str) -> RequestRows:
+        """What a request's params give its processor rows, computed once per request."""
         params = self.requests[req_id].sampling_params
-        consts = self._nc_consts.get(req_id)
-        if consts is None or consts.params is not params:
-            if len(self._nc_consts) > 4 * self.scheduler_config.max_num_seqs + 16:
-                self._nc_consts = {k: v for k, v in self._nc_consts.items() if k in self.requests}
-            consts = self._nc_consts[req_id] = RequestConsts(
-                params, self.requests[req_id].prompt_token_ids, self._nc_stop_width, req_id)
-        return consts
+        cached = self._nc_rows.get(req_id)
+        if cached is None or cached[0] is not params:
+            if len(self._nc_rows) > 4 * self.scheduler_config.max_num_seqs + 16:
+                self._nc_rows = {k: v for k, v in self._nc_rows.items() if k in self.requests}
+            cached = self._nc_rows[req_id] = (params, request_rows(
+                params, self.requests[req_id].prompt_token_ids, self._nc_stop_width, req_id))
+        return cached[1]
 
     def _fill_sampling(self, inputs, views: dict[str, np.ndarray], layout: BatchLayout) -> None:
         batch = self.input_batch
@@ -303,8 +289,6 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         views["top_k"][rows:] = max_top_k
         views["top_p"][:rows] = np.where(top_p >= 1.0, TOP_P_OFF, top_p)
         views["top_p"][rows:] = TOP_P_OFF
-        views["temperature"][:rows] = np.where(greedy, 1.0, temperature)
-        views["temperature"][rows:] = 1.0
         # the drafts to verify: row r verifies draft[r] (-1: none); its request's rows start at first_row
         views["first_row"][:rows] = layout.start[req]
         views["first_row"][rows:] = np.arange(rows, bucket)
@@ -346,76 +330,13 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             # a whole-vocabulary row's recovered token is never its draft: +inf noise there (race term 0)
             for r in drafted[full[drafted]]:
                 noise[int(r), int(layout.draft[r])] = float("inf")
-        # per-request processors: rows that use one (constants cached per request); the rest neutral
+        # per-request processors (rows computed once per request), then the sampler's temperature
+        # (written after: the min_p group's reset covers the temperature input too)
         req_ids = batch.req_ids[:n]
-        consts = [self._request_consts(req_id) for req_id in req_ids]
-        outputs = batch.req_output_token_ids
-        done = [len(outputs[i] or ()) for i in range(n)]
-        min_tokens = [r for r in range(rows) if consts[req[r]].min_tokens
-                      and done[req[r]] + pos[r] < consts[req[r]].min_tokens]
-        if min_tokens or "min_tokens" in dirty:
-            views["min_tokens_remaining"][:] = 0
-            views["min_tokens_stop_ids"][:] = -1
-            for r in min_tokens:
-                c = consts[req[r]]
-                views["min_tokens_remaining"][r] = c.min_tokens - done[req[r]] - pos[r]
-                views["min_tokens_stop_ids"][r, : len(c.stops)] = c.stops
-            self._mark(dirty, "min_tokens", min_tokens)
-        bias = [r for r in range(rows) if consts[req[r]].bias_ids is not None]
-        if bias or "logit_bias" in dirty:
-            views["logit_bias_ids"][:] = -1
-            views["logit_bias_values"][:] = 0.0
-            for r in bias:
-                c = consts[req[r]]
-                views["logit_bias_ids"][r, : len(c.bias_ids)] = c.bias_ids
-                views["logit_bias_values"][r, : len(c.bias_ids)] = c.bias_values
-            self._mark(dirty, "logit_bias", bias)
-        min_p = [r for r in range(rows) if consts[req[r]].min_p]
-        if min_p or "min_p" in dirty:
-            views["min_p"][:] = 0.0
-            for r in min_p:
-                views["min_p"][r] = consts[req[r]].min_p
-            self._mark(dirty, "min_p", min_p)
-        # penalties (vLLM: repetition over prompt + output, frequency/presence over output; at a
-        # draft position the output includes the drafts before it, as vLLM's rejection sampler counts)
-        rep, freq, pres = (batch.repetition_penalties_cpu[:n][req], batch.frequency_penalties_cpu[:n][req],
-                           batch.presence_penalties_cpu[:n][req])
-        active = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
-        if len(active) or "penalties" in dirty:
-            views["penalty_repetition"][:] = 1.0
-            views["penalty_frequency"][:] = 0.0
-            views["penalty_presence"][:] = 0.0
-            views["penalty_token_ids"][:] = -1
-            views["penalty_token_counts"][:] = 0
-            if len(active):
-                views["penalty_repetition"][:rows] = rep
-                views["penalty_frequency"][:rows] = freq
-                views["penalty_presence"][:rows] = pres
-            width = views["penalty_token_ids"].shape[1]
-            for r in active:
-                i = req[r]
-                output = np.asarray(outputs[i] or (), dtype=np.int64)
-                if pos[r]:
-                    output = np.concatenate([output, layout.drafts_of[i][: pos[r]]])
-                output = output[output >= 0]
-                prompt = consts[i].prompt_unique
-                if len(output):
-                    out_ids, out_counts = np.unique(output, return_counts=True)
-                    ids = np.union1d(prompt, out_ids)[:width]
-                    counts = np.zeros(len(ids), dtype=np.int32)
-                    counts[np.searchsorted(ids, out_ids).clip(max=len(ids) - 1)] = out_counts
-                else:
-                    ids, counts = prompt[:width], 0
-                views["penalty_token_ids"][r, : len(ids)] = ids
-                views["penalty_token_counts"][r, : len(ids)] = counts
-            self._mark(dirty, "penalties", active)
-
-    @staticmethod
-    def _mark(dirty: set, name: str, rows) -> None:
-        if len(rows):
-            dirty.add(name)
-        else:
-            dirty.discard(name)
+        write_rows(views, self._nc_processor_inputs[bucket], [self._request_rows(i) for i in req_ids], req=req, pos=pos,
+                   outputs=batch.req_output_token_ids[:n], dirty=dirty, drafts_of=layout.drafts_of)
+        views["temperature"][:rows] = np.where(greedy, 1.0, temperature)
+        views["temperature"][rows:] = 1.0
 
     # ------------------------------------------------------------------ counting
     def _notify_counters(self) -> None:
@@ -438,12 +359,6 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             "tp_all_gather_ms": self._nc_all_gather_ms,
             "pid": os.getpid(),
         }
-
-
-
-
-
-
 
 
 class NeuronConstrainWorker(CPUWorker):

@@ -105,7 +105,7 @@ def test_every_stop_id_reaches_the_program_with_many_eos_ids():
     program's stop-id input is sized from the model, so min_tokens masks all 18 (none cut)."""
     from vllm import SamplingParams
 
-    from neuron_constrain.vllm.batch_layout import RequestConsts
+    from neuron_constrain.vllm.batch_layout import request_rows
     from neuron_constrain.vllm.config import model_eos_ids
 
     eos = [2, 3, 4, 5, 6, 7]
@@ -115,8 +115,8 @@ def test_every_stop_id_reaches_the_program_with_many_eos_ids():
     params = SamplingParams(min_tokens=5, stop_token_ids=list(range(1000, 1000 + ncv.MAX_STOP_TOKEN_IDS)))
     params.update_from_generation_config({"eos_token_id": eos}, eos_token_id=2)  # what vLLM's frontend does
     assert len(params.all_stop_token_ids) == ncv.MAX_STOP_TOKEN_IDS + len(eos)
-    consts = RequestConsts(params, [1, 5], ncv.MAX_STOP_TOKEN_IDS + len(model_eos_ids(model_config)))
-    assert sorted(consts.stops.tolist()) == sorted(params.all_stop_token_ids)
+    rows = request_rows(params, [1, 5], ncv.MAX_STOP_TOKEN_IDS + len(model_eos_ids(model_config)))
+    assert sorted(rows.stops.tolist()) == sorted(params.all_stop_token_ids)
 
 
 def test_counters_thread_survives_any_write_error(tmp_path, caplog):
