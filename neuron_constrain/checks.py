@@ -23,7 +23,7 @@ from neuron_constrain.errors import TransformError
 from neuron_constrain.contract import PassContract
 from neuron_constrain.kernels import pack_bool_mask, packed_width
 from neuron_constrain.mask_interface import MASK_INPUT, RANK_INPUT, is_mask_input
-from neuron_constrain.processors.registry import BUILTIN_INPUTS
+from neuron_constrain.processor_interface import BUILTIN_INPUTS
 from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
 from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
 from neuron_constrain.tap_interface import INPUT_PREFIX as TAP_PREFIX

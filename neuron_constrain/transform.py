@@ -13,7 +13,7 @@ from neuron_constrain.tap_context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import mask_logits_pass, process_logits_pass, tap_modules_pass
 from neuron_constrain.mask_interface import is_empty_output
-from neuron_constrain.processors.registry import DEFAULT_WIDTHS
+from neuron_constrain.processor_interface import DEFAULT_WIDTHS
 from neuron_constrain.report import AddedInput, TransformReport, unsizable
 from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
 

@@ -80,7 +80,7 @@ from neuron_constrain.contract import PassContract, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import allow_token_in_empty_rows, no_token_rows
 from neuron_constrain.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empty_row
-from neuron_constrain.processors.registry import (
+from neuron_constrain.processor_interface import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
     DEFAULT_WIDTHS,

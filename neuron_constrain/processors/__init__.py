@@ -1,5 +1,6 @@
-"""Logits processors: which ones exist, how custom ones load, and the host state that
-feeds the graph inputs the process-logits pass adds.
+"""Logits processors, host side: the state that feeds the graph inputs the process-logits
+pass adds (``state.py``, writing through ``rows.py``), with what a processor is re-exported
+from the graph core (``neuron_constrain/processor_interface.py``).
 
 Built-ins, in graph order (see ``neuron_constrain.passes.process_logits_pass``)::
 
@@ -29,16 +30,16 @@ a :class:`BatchUpdate` in the order removed, added, moved (one-way or swap)::
 no request uses it returns cached neutral tensors without touching per-slot data
 (the graph still receives every input).
 """
-from neuron_constrain.processors.registry import (
+from neuron_constrain.processor_interface import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
     ENTRY_POINT_GROUP,
     LogitsProcessor,
     ProcessorError,
     builtin_inputs,
+    RequestParams,
     resolve_processors,
 )
-from neuron_constrain.processors.params import RequestParams
 from neuron_constrain.processors.state import MOVE, SWAP, BatchUpdate, ProcessorState
 
 __all__ = [

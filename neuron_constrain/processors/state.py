@@ -1,6 +1,7 @@
 """Host state for the process-logits pass: batch updates and the per-slot requests whose
-rows feed the graph inputs the pass added (per-request parameters: ``params.py``; the
-rows themselves: ``rows.py``, the one writer of processor rows)."""
+rows feed the graph inputs the pass added (what a processor is and a request's
+parameters: ``neuron_constrain/processor_interface.py``; the rows themselves:
+``rows.py``, the one writer of processor rows)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from neuron_constrain.processors.params import RequestParams
-from neuron_constrain.processors.registry import DEFAULT_WIDTHS, PASS_NAME, BUILTIN_PROCESSORS, ProcessorError, resolve_processors
+from neuron_constrain.processor_interface import (
+    BUILTIN_PROCESSORS,
+    DEFAULT_WIDTHS,
+    PASS_NAME,
+    ProcessorError,
+    RequestParams,
+    resolve_processors,
+)
 from neuron_constrain.processors.rows import NEUTRAL, ProcessorInputs, RequestRows, write_rows
 
 MOVE, SWAP = "move", "swap"

@@ -1,9 +1,12 @@
 """What a logits processor is: the built-ins (their graph inputs with dtype, per-row
-shape and neutral fill, kernel and order), custom ``LogitsProcessor`` subclasses and
-how names resolve. Imported by the process-logits pass and by the host state.
+shape and neutral fill, kernel and order), custom ``LogitsProcessor`` subclasses, how
+names resolve, and one request's parameters (``RequestParams``, what a custom
+processor's ``row()`` reads). The graph core's side of the processors: the
+process-logits pass and the checks import it; the host state (``processors/``) too.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 from typing import Any, Mapping, Sequence
@@ -18,7 +21,6 @@ from neuron_constrain.kernels import (
     apply_penalties,
     apply_temperature,
 )
-from neuron_constrain.processors.params import RequestParams
 
 PASS_NAME = "process_logits"  # the key of the pass's entry in a TransformReport
 BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
@@ -26,6 +28,25 @@ BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
 WIDTH_OPTIONS = {"S": "max_stop_tokens", "K": "max_bias_tokens", "L": "max_penalty_tokens"}
 DEFAULT_WIDTHS = {"max_stop_tokens": 4, "max_bias_tokens": 16, "max_penalty_tokens": 1024}
 ENTRY_POINT_GROUP = "neuron_constrain.processors"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One request's processor parameters (neutral defaults: the processor is off).
+
+    ``stop_token_ids``: the ids ``min_tokens`` keeps masked (the state adds its
+    ``eos_token_id``). ``extra``: values for custom processors' ``row()``.
+    """
+
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()
+    logit_bias: Mapping[int, float] | None = None
+    min_p: float = 0.0
+    temperature: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class ProcessorError(ValueError):
