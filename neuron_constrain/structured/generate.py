@@ -1,4 +1,6 @@
-"""``transform_decoder`` (the structured-outputs switch) and ``generate``, a greedy loop.
+"""``generate``: requests with per-request constraints, decoded by the loop of
+``neuron_constrain.decoding`` (which requests run, their model inputs, the noise) while the
+structured runtime masks and accepts their tokens (``_Calls``, what the loop asks of them).
 
     tok = from_mistral(mistral_data_file("tekken_240911.json"))      # the tokenizer protocol
     runtime = StructuredRuntime.for_model(model, tok, max_rows=8)    # reuse it: grammars stay cached
@@ -11,28 +13,14 @@ import itertools
 import time
 from typing import Sequence
 
-import torch
-
-from neuron_constrain.decoding import CachedDecoder
-from neuron_constrain.pipeline import PipelinedStep, split_step
+from neuron_constrain.decoding import CachedDecoder, cached_loop, recompute_loop, transform_decoder
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured.keywords import post_validate
 from neuron_constrain.structured.runtime import StructuredRuntime
 from neuron_constrain.structured.tokenizers import TokenizerLike
-from neuron_constrain.transform import Transformed, transform
+from neuron_constrain.transform import Transformed
 
-
-def transform_decoder(model, example_inputs, *, vocab_size: int, enable_structured_outputs: bool = True, **kwargs) -> Transformed:
-    """``transform`` with the structured-outputs switch.
-
-    True: the graph gains the packed ``logit_mask`` input (unconstrained traffic feeds
-    ``-1`` rows through the same compiled graph, so the first constrained request
-    costs no recompilation). False: no mask input and no mask work; a
-    :class:`StructuredRuntime` built for it refuses constrained requests.
-    """
-    if enable_structured_outputs:
-        return transform(model, example_inputs, logit_mask="packed", vocab_size=vocab_size, **kwargs)
-    return transform(model, example_inputs, logit_mask=None, **kwargs)
+__all__ = ["GenerateResult", "Generation", "generate", "transform_decoder"]
 
 
 @dataclasses.dataclass
@@ -58,26 +46,19 @@ class GenerateResult:
     step_fill_seconds: list[float]  # xgrammar's part of it (fill, accept)
 
 
-def _sequence_length(transformed: Transformed) -> int | None:
-    """The static token dimension of the graph's first input, or None if it is dynamic."""
-    spec = transformed.program.graph_signature.user_inputs[0]
-    node = next(n for n in transformed.program.graph.nodes if n.op == "placeholder" and n.name == spec)
-    size = node.meta["val"].shape[-1]
-    return size if isinstance(size, int) else None
-
-
 _CALLS = itertools.count()
 
 
 class _Calls:
     """The requests of one ``generate`` call: their ids in the runtime, token sequences
-    (prompt + generated), generated tokens, errors and stops; and ``step``, one model
-    step of some of them (mask, run, accept) shared by both loops."""
+    (prompt + generated), generated tokens, errors and stops; and what the decode loop
+    (``neuron_constrain.decoding.loop``) asks of them: who is ready, a step's masks, what
+    its tokens do to the grammars (``step``, ``accept``, ``verify``), who is done."""
 
-    def __init__(self, runtime: StructuredRuntime, sequences: list[list[int]], temperature: float | None = None,
-                 seed: int = 0):
+    def __init__(self, runtime: StructuredRuntime, sequences: list[list[int]], max_new_tokens: int,
+                 jump_forward: str | None = None):
         call = next(_CALLS)
-        self.temperature, self.seed = temperature, seed
+        self.max_new_tokens, self.jump_forward = max_new_tokens, jump_forward
         self.runtime = runtime
         self.ids = [("generate", call, index) for index in range(len(sequences))]  # unique in a shared runtime
         self.index = {request_id: index for index, request_id in enumerate(self.ids)}
@@ -92,14 +73,21 @@ class _Calls:
         self.passes = [0] * len(sequences)
         self.forced = [0] * len(sequences)
 
-    def fail_unready(self, waiting: list[int]) -> tuple[list[int], set]:
-        """Record the compile errors among ``waiting``; return the rest and the ready ids."""
+    def ready(self, waiting: list[int]) -> tuple[list[int], set[int]]:
+        """Record the compile errors among ``waiting``; return the rest and those whose grammar is ready."""
         ready = set(self.runtime.ready([self.ids[i] for i in waiting]))
         for index in waiting:
             error = self.runtime.error(self.ids[index]) if self.ids[index] not in ready else None
             if error is not None:
                 self.errors[index] = str(error)
-        return [i for i in waiting if i not in self.errors], ready
+        return [i for i in waiting if i not in self.errors], {i for i in waiting if self.ids[i] in ready}
+
+    def wait(self, indices: list[int]) -> None:
+        self.runtime.wait([self.ids[i] for i in indices])
+
+    def mask(self, indices: list[int]):
+        """The mask of a step of ``indices`` (the pipelined step fills it while the body runs)."""
+        return self.runtime.step([self.ids[i] for i in indices])
 
     def step(self, indices: list[int], run) -> None:
         """``run(mask_kwargs) -> (tokens, empty_rows)`` for the requests ``indices``, then accept."""
@@ -108,41 +96,35 @@ class _Calls:
         began = time.perf_counter()
         mask = runtime.step(batch)
         tokens, flags = run({} if mask is None else {"logit_mask": mask})
-        self.accept(indices, batch, tokens, flags.get("logit_mask"), began)
+        self.accept(indices, tokens, began, flags.get("logit_mask"))
 
-    def verify(self, indices: list[int], decoder: CachedDecoder, mode: str, max_new_tokens: int) -> None:
+    def verify(self, indices: list[int], sizes: list[int], run) -> None:
         """One step in which each row also takes the tokens its grammar forces (jump-forward):
-        ``k + 1`` positions a row (the smallest verify program that holds the longest run),
-        forced positions masked to their one token, so none is rejected, and the token
-        sampled after each run is the step's new token. A run that ends its request (a
-        forced stop token) needs no model output: when every row's does, nothing runs."""
-        runtime, sizes = self.runtime, sorted(decoder.steps)
+        ``k + 1`` positions a row (the smallest verify program, of ``sizes``, that holds the
+        longest run), forced positions masked to their one token, so none is rejected, and
+        the token sampled after each run is the step's new token; ``run(indices, runs,
+        width, mask) -> (tokens, empty_rows)``. A run that ends its request (a forced stop
+        token) needs no model output: when every row's does, nothing runs."""
+        runtime = self.runtime
         batch = [self.ids[i] for i in indices]
         began = time.perf_counter()
-        limits = {self.ids[i]: min(sizes[-1] - 1, max_new_tokens - len(self.generated[i]) - 1) for i in indices}
-        forced = runtime.forced_runs(batch, limits, mode=mode)
+        limits = {self.ids[i]: min(sizes[-1] - 1, self.max_new_tokens - len(self.generated[i]) - 1) for i in indices}
+        forced = runtime.forced_runs(batch, limits, mode=self.jump_forward)
         runs = [forced.get(r, []) for r in batch]
         ends = [bool(run) and run[-1] in runtime.stop_token_ids for run in runs]
         taken, flagged = [list(run) for run in runs], [False] * len(batch)
         if not all(ends):
             width = min(n for n in sizes if n > max(map(len, runs)))
             mask = runtime.step(batch, dict(zip(batch, runs)), forced=True, rows_per_request=width)
-            tokens = torch.full((len(indices), width), decoder.pad_id, dtype=torch.long)
-            for row, (index, run) in enumerate(zip(indices, runs)):
-                tokens[row, : len(run) + 1] = torch.tensor([self.sequences[index][-1], *run])
-            positions = [len(self.sequences[i]) - 1 for i in indices]  # the last token is not in the cache yet
-            if mask is not None and width > 1:  # [B, k + 1, W]: one grammar row per position
-                mask = mask.view(len(indices), width, -1)
-            out, flags = decoder.run_step(tokens, positions, **({} if mask is None else {"logit_mask": mask}),
-                                          **self.sampling(indices, width, decoder))
+            out, flags = run(indices, runs, width, mask)
             out = out.view(len(indices), width).tolist()
             empty = flags.get("logit_mask")
-            for row, (request_id, run) in enumerate(zip(batch, runs)):
-                if out[row][: len(run)] != run:  # a forced position sampled another token: the mask was not applied
-                    raise RuntimeError(f"the verify program returned {out[row][: len(run)]} where the grammar forced "
-                                       f"{run} (request {request_id!r}): its logit_mask input was not applied")
+            for row, (request_id, forced_run) in enumerate(zip(batch, runs)):
+                if out[row][: len(forced_run)] != forced_run:  # a forced position sampled another token
+                    raise RuntimeError(f"the verify program returned {out[row][: len(forced_run)]} where the grammar "
+                                       f"forced {forced_run} (request {request_id!r}): its logit_mask input was not applied")
                 if not ends[row]:
-                    taken[row].append(out[row][len(run)])
+                    taken[row].append(out[row][len(forced_run)])
                 flagged[row] = empty is not None and bool(empty.view(len(indices), width)[row, : len(taken[row])].any())
         step_host, step_fill = runtime.last_step_seconds, runtime.last_fill_seconds
         tick = time.perf_counter()
@@ -151,12 +133,13 @@ class _Calls:
         self.fill.append(step_fill)
         used = [i for i, end in zip(indices, ends) if not end]  # the rows that read the model's output
         self.record(indices, batch, taken, accepted, began, used=used)
-        for index, request_id, run in zip(indices, batch, runs):
+        for index, request_id, forced_run in zip(indices, batch, runs):
             if request_id not in accepted.failed:
-                self.forced[index] += len(run)
+                self.forced[index] += len(forced_run)
 
-    def accept(self, indices, batch, tokens, empty, began: float) -> None:
-        runtime = self.runtime
+    def accept(self, indices, tokens, began: float, empty=None) -> None:
+        """What a step's ``tokens`` (one a row) do to the grammars of ``indices``."""
+        runtime, batch = self.runtime, [self.ids[i] for i in indices]
         step_host, step_fill = runtime.last_step_seconds, runtime.last_fill_seconds
         accepted = runtime.accept_rows(batch, tokens, empty=empty)
         self.host.append(step_host + runtime.last_accept_seconds)
@@ -181,100 +164,8 @@ class _Calls:
         for index in indices:
             self.ended[index] = now
 
-    def sampling(self, indices: list[int], width: int, decoder: CachedDecoder) -> dict:
-        """``noise`` and ``temperature`` for a sampled decoder: the noise of request ``i``'s
-        output token ``j`` is drawn from a generator seeded by ``(seed, i, j)``, so a token is
-        the same whichever step (or verify position) samples it."""
-        if not decoder.sampled:
-            return {}
-        if self.temperature is None:  # greedy on a sampled decoder: noise 1 makes the race an argmax
-            shape = (len(indices), decoder.logits_width) if width == 1 else (len(indices), width, decoder.logits_width)
-            return {"noise": torch.ones(shape), "temperature": torch.ones(len(indices))}
-        rows = []
-        for index in indices:
-            first = len(self.generated[index])
-            rows.append(torch.stack([
-                torch.empty(decoder.logits_width).exponential_(
-                    generator=torch.Generator().manual_seed(hash((self.seed, index, first + t)) & 0x7FFFFFFF))
-                for t in range(width)
-            ]))
-        noise = torch.stack(rows)
-        return {"noise": noise[:, 0] if width == 1 else noise,
-                "temperature": torch.full((len(indices),), float(self.temperature))}
-
-    def done(self, index: int, max_new_tokens: int) -> bool:
-        return index in self.errors or index in self.stopped or len(self.generated[index]) >= max_new_tokens
-
-
-def _recompute_loop(transformed: Transformed, calls: _Calls, max_new_tokens: int, pipelined: bool, eos_id: int) -> None:
-    """No KV cache: every step recomputes over the last tokens (a graph exported with a
-    static sequence length sees a window of that many, left-padded with the stop token)."""
-    runtime, window = calls.runtime, _sequence_length(transformed)
-    step = PipelinedStep(split_step(transformed)) if pipelined else None
-    try:
-        waiting = list(range(len(calls.sequences)))  # not finished, not failed
-        while waiting and max_new_tokens > 0:
-            waiting, ready = calls.fail_unready(waiting)
-            active = [i for i in waiting if calls.ids[i] in ready]
-            if not active:
-                if waiting:
-                    runtime.wait([calls.ids[i] for i in waiting])
-                continue
-            length = window or max(len(calls.sequences[i]) for i in active)
-            inputs = torch.tensor([([eos_id] * length + calls.sequences[i])[-length:] for i in active], dtype=torch.long)
-            if step is not None:  # the fill runs while the body does
-                batch, began = [calls.ids[i] for i in active], time.perf_counter()
-                tokens = step((inputs,), fill=lambda: {"logit_mask": runtime.step(batch)})
-                calls.accept(active, batch, tokens, None, began)
-            else:
-                calls.step(active, lambda mask: transformed.run(inputs, **mask))
-            waiting = [i for i in waiting if not calls.done(i, max_new_tokens)]
-    finally:
-        if step is not None:
-            step.close()
-
-
-def _cached_loop(decoder: CachedDecoder, calls: _Calls, max_new_tokens: int, jump_forward: str | None) -> None:
-    """Prefill each request once into a free cache row, then one-token steps of every
-    row (with ``jump_forward``: verify steps that also take each row's forced run); a
-    request whose grammar is still compiling joins when it is ready (a row is free), a
-    finished one leaves its row (the rows after it move down)."""
-    runtime, sequences = calls.runtime, calls.sequences
-    rows: list[int] = []  # the request in each cache row, in row order
-    pending = list(range(len(sequences))) if max_new_tokens > 0 else []
-
-    def retire() -> None:
-        keep = [r for r, i in enumerate(rows) if not calls.done(i, max_new_tokens) and len(sequences[i]) <= decoder.max_len]
-        decoder.keep_rows(keep)
-        rows[:] = [rows[r] for r in keep]
-
-    while pending or rows:
-        pending, ready = calls.fail_unready(pending)
-        for index in pending:
-            if len(sequences[index]) > decoder.max_len:
-                calls.errors[index] = (f"the prompt has {len(sequences[index])} tokens but the decoder's cache holds "
-                                       f"{decoder.max_len}; export it with max_len >= {len(sequences[index]) + 1}")
-        pending = [i for i in pending if i not in calls.errors]
-        joining = [i for i in pending if calls.ids[i] in ready][: decoder.max_batch - len(rows)]
-        if joining:
-            pending = [i for i in pending if i not in joining]
-            start = len(rows)
-            rows += joining
-            calls.step(joining, lambda mask: decoder.run_prefill(
-                [sequences[i] for i in joining], range(start, start + len(joining)), **mask,
-                **calls.sampling(joining, 1, decoder)))
-        retire()
-        if not rows:
-            if pending:
-                runtime.wait([calls.ids[i] for i in pending])
-            continue
-        if jump_forward is not None and len(decoder.steps) > 1:
-            calls.verify(list(rows), decoder, jump_forward, max_new_tokens)
-        else:
-            last = torch.tensor([[sequences[i][-1]] for i in rows], dtype=torch.long)
-            positions = [len(sequences[i]) - 1 for i in rows]  # the last token is not in the cache yet
-            calls.step(list(rows), lambda mask: decoder.run_step(last, positions, **mask, **calls.sampling(rows, 1, decoder)))
-        retire()
+    def done(self, index: int) -> bool:
+        return index in self.errors or index in self.stopped or len(self.generated[index]) >= self.max_new_tokens
 
 
 def generate(
@@ -348,16 +239,16 @@ def generate(
                          f"requests at once{' of ' + str(max(model.steps)) + ' rows each' if jump_forward else ''}; "
                          f"build it with max_rows={rows}")
     sequences = [list(tokenizer.encode(p)) if isinstance(p, (str, bytes)) else [int(t) for t in p] for p in prompts]
-    calls = _Calls(runtime, sequences, temperature, seed)
+    calls = _Calls(runtime, sequences, max_new_tokens, jump_forward)
     added = []
     try:
         for request_id, constraint in zip(calls.ids, constraints):
             runtime.add(request_id, constraint, timeout=compile_timeout)
             added.append(request_id)
         if cached:
-            _cached_loop(model, calls, max_new_tokens, jump_forward)
+            cached_loop(model, calls, max_new_tokens, jump_forward, temperature=temperature, seed=seed)
         else:
-            _recompute_loop(model, calls, max_new_tokens, pipelined, tokenizer.eos_id)
+            recompute_loop(model, calls, max_new_tokens, pipelined, tokenizer.eos_id)
         unenforced = {i: runtime.unenforced(calls.ids[i]) for i in range(len(prompts)) if i not in calls.errors}
         forced_seconds = [runtime.forced_seconds(request_id) for request_id in calls.ids]
     finally:
