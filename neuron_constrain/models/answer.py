@@ -25,6 +25,7 @@ from neuron_constrain.structured import (
     tool_constraint,
     validate_output,
 )
+from neuron_constrain.structured.engines.xgrammar_engine import parse_constraint
 
 TOOL_FORMAT = "hermes"  # how the tool chat template asks SmolLM2 to call (chat.py)
 
@@ -57,7 +58,7 @@ class Request:
             return json_schema(self.schema, whitespace=self.whitespace)
         if self.regex is not None or self.choice is not None:
             constraint = regex(self.regex) if self.regex is not None else choice(list(self.choice))
-            constraint.parse()  # a malformed pattern fails here, before any model loads
+            parse_constraint(constraint)  # a malformed pattern fails here (xgrammar's parser), before any model loads
             return constraint
         if self.tools is not None:
             return tool_constraint(self.tools, _tool_choice(self.tool_choice), format=TOOL_FORMAT, tokenizer=tokenizer,

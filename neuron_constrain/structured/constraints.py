@@ -31,8 +31,8 @@ WHITESPACE = ("none", "compact", "bounded", "any")
 # xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this
 # class, which admits raw control characters (invalid JSON: "\x06" inside a string).
 # We compile with JSON's own string-character class instead.
-_LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
-_JSON_STRING_CLASS = r'[^\0-\x1f\"\\]'
+LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
+JSON_STRING_CLASS = r'[^\0-\x1f\"\\]'
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,20 +78,6 @@ class Constraint:
             ) from error
         raise ConstraintError(f"unknown constraint kind {self.kind!r}")
 
-    def parse(self) -> None:
-        """Raise :class:`ConstraintError` now if a regex / choice / EBNF is malformed: xgrammar's
-        parser needs no vocabulary and takes microseconds; the token-mask compilation is what is slow."""
-        try:
-            if self.kind == "regex":
-                xgr.Grammar.from_regex(self.spec)
-            elif self.kind in ("choice", "ebnf"):
-                xgr.Grammar.from_ebnf(self.grammar_text())
-        except Exception as error:
-            raise ConstraintError(
-                f"xgrammar could not compile this {self.kind} constraint ({engine_message(error)}); "
-                "fix the schema/pattern/grammar (xgrammar's dialect) and resubmit the request"
-            ) from error
-
     def schema_grammar(self) -> xgr.Grammar:
         """The xgrammar grammar of a ``json_schema`` constraint, JSON string characters fixed."""
         try:
@@ -102,8 +88,8 @@ class Constraint:
                 + (" or pass strict=False" if self.strict else "")
             ) from error
         text = fixed = str(grammar)
-        if _LENGTH_STRING_CLASS in fixed:
-            fixed = fixed.replace(_LENGTH_STRING_CLASS, _JSON_STRING_CLASS)
+        if LENGTH_STRING_CLASS in fixed:
+            fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
         if self.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
             fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
         return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)

@@ -47,9 +47,8 @@ class Requests:
         self.version += 1
         if constraint is None:
             return
-        try:  # xgrammar's parser finds a malformed regex/choice/EBNF in microseconds; llguidance's compile does
-            if self.engine.name == "xgrammar":
-                constraint.parse()
+        try:  # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
+            self.engine.parse(constraint)
         except ConstraintError as error:
             self.fail(request_id, state, GrammarFailedError(f"request {request_id!r}: {error}", request_id))
             return

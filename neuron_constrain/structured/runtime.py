@@ -48,7 +48,6 @@ import time
 from typing import Hashable, Mapping, Sequence
 
 import torch
-import xgrammar as xgr
 
 from neuron_constrain.kernels import packed_width
 from neuron_constrain.mask_interface import MASK_INPUT
@@ -68,7 +67,7 @@ from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact
 from neuron_constrain.structured.layout import Layout, lay_out
 from neuron_constrain.structured.mask_buffer import MaskBuffer
 from neuron_constrain.structured.requests import Requests
-from neuron_constrain.structured.tokenizers import with_info
+from neuron_constrain.structured.tokenizers import VocabularyInfo, with_info
 from neuron_constrain.transform import Transformed
 
 
@@ -96,8 +95,9 @@ class StructuredRuntime:
     """Per-step packed masks for a batch of requests, in one reusable buffer.
 
     ``tokenizer``: the tokenizer protocol (``tokenizers.py``: ``.info``), or a bare
-    ``xgrammar.TokenizerInfo``. ``tokenizer_info``: an info you built yourself, audited
-    against ``tokenizer`` (control tokens special, sizes agree) before it is used.
+    vocabulary info (:class:`VocabularyInfo`, e.g. an ``xgrammar.TokenizerInfo``).
+    ``tokenizer_info``: an info you built yourself, audited against ``tokenizer``
+    (control tokens special, sizes agree) before it is used.
     Its ``vocab_size`` sets the mask width ``ceil(V/32)``; it is the ``vocab_size`` the
     graph was transformed with, so an lm_head padded past it never has its padding
     chosen. ``step`` returns ``None`` when structured outputs are disabled (the graph
@@ -111,7 +111,7 @@ class StructuredRuntime:
         *,
         max_rows: int,
         enable_structured_outputs: bool = True,
-        tokenizer_info: xgr.TokenizerInfo | None = None,
+        tokenizer_info: VocabularyInfo | None = None,
         engine: str = "auto",
         fill_threads: int | None = None,
         compile_workers: int = 2,
@@ -202,7 +202,7 @@ class StructuredRuntime:
     def for_model(cls, transformed: Transformed, tokenizer, *, max_rows: int, **kwargs):
         """A runtime matched to ``transformed``: enabled iff the graph takes a logit mask of our width.
 
-        ``tokenizer``: the tokenizer protocol or a bare ``xgrammar.TokenizerInfo``."""
+        ``tokenizer``: the tokenizer protocol or a bare :class:`VocabularyInfo`."""
         added = {i.name: i for i in transformed.report.inputs_added}
         runtime = cls(tokenizer, max_rows=max_rows, enable_structured_outputs=MASK_INPUT in added, **kwargs)
         if runtime.enabled:

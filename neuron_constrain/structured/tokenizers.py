@@ -63,10 +63,23 @@ class TokenizerInfoError(ValueError):
 
 
 @runtime_checkable
+class VocabularyInfo(Protocol):
+    """The vocabulary as the grammar engines read it, whichever engine: each token's bytes
+    (control tokens never text), the model's vocabulary size, the stop and special tokens.
+    ``Tokenizer.info`` is one (built as xgrammar's ``TokenizerInfo``, which has exactly these);
+    a user-built ``xgrammar.TokenizerInfo`` is one too."""
+
+    vocab_size: int
+    stop_token_ids: Sequence[int]
+    special_token_ids: Sequence[int]
+    decoded_vocab: Sequence[bytes]
+
+
+@runtime_checkable
 class TokenizerLike(Protocol):
     """What ``generate`` and :class:`StructuredRuntime` read from a tokenizer."""
 
-    info: xgr.TokenizerInfo
+    info: VocabularyInfo
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -112,7 +125,7 @@ class Tokenizer:
         self._anchor = None  # (id, text): a plain token decoded in front of generated ids
 
     @functools.cached_property
-    def info(self) -> xgr.TokenizerInfo:
+    def info(self) -> VocabularyInfo:
         """xgrammar's info from the raw pieces; control tokens are ``b"\\xff" + name``: never text."""
         pieces = [
             CONTROL_MARK + self.names[i].encode("utf-8", "replace") if i in self.special_ids else piece
@@ -238,7 +251,7 @@ def _listed(tokenizer: Tokenizer, ids: list[int], limit: int = 6) -> str:
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
-def audit(info: xgr.TokenizerInfo, tokenizer: Tokenizer, *, vocab_size: int | None = None) -> None:
+def audit(info: VocabularyInfo, tokenizer: Tokenizer, *, vocab_size: int | None = None) -> None:
     """Refuse a tokenizer info that would let the grammar validate text the tokenizer does not return.
 
     Checks, in order: the info's vocab size against the model's (``vocab_size``, else
@@ -280,7 +293,7 @@ def audit(info: xgr.TokenizerInfo, tokenizer: Tokenizer, *, vocab_size: int | No
 class _WithInfo:
     """A tokenizer seen with a user-built (audited) tokenizer info."""
 
-    def __init__(self, tokenizer, info: xgr.TokenizerInfo):
+    def __init__(self, tokenizer, info: VocabularyInfo):
         self._tokenizer, self.info = tokenizer, info
 
     def __getattr__(self, name):
@@ -288,17 +301,17 @@ class _WithInfo:
 
 
 class _InfoOnly:
-    """A bare ``xgrammar.TokenizerInfo`` seen through the tokenizer protocol (what the engine reads)."""
+    """A bare vocabulary info (e.g. an ``xgrammar.TokenizerInfo``) seen through the tokenizer protocol."""
 
-    def __init__(self, info: xgr.TokenizerInfo):
+    def __init__(self, info: VocabularyInfo):
         self.info = info
 
 
-def with_info(tokenizer, tokenizer_info: xgr.TokenizerInfo | None = None):
+def with_info(tokenizer, tokenizer_info: VocabularyInfo | None = None):
     """``tokenizer`` as the runtime reads it (``.info``): a bare ``TokenizerInfo`` as is, or a
     tokenizer with a user-built info, audited against it first."""
-    if isinstance(tokenizer, xgr.TokenizerInfo):
-        tokenizer = _InfoOnly(tokenizer)
+    if not hasattr(tokenizer, "info") and all(hasattr(type(tokenizer), a) for a in VocabularyInfo.__annotations__):
+        tokenizer = _InfoOnly(tokenizer)  # a bare info (read from its class: xgrammar's properties build lists)
     if tokenizer_info is None:
         return tokenizer
     if not hasattr(tokenizer, "special_ids"):

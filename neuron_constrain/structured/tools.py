@@ -24,8 +24,8 @@ from typing import Mapping, Sequence
 import xgrammar as xgr
 
 from neuron_constrain.structured.constraints import (
-    _JSON_STRING_CLASS,
-    _LENGTH_STRING_CLASS,
+    JSON_STRING_CLASS,
+    LENGTH_STRING_CLASS,
     Constraint,
     ConstraintError,
     engine_message,
@@ -127,7 +127,7 @@ def _structural_constraint(format: str, functions: dict, only: str | None, token
         text = str(xgr.Grammar.from_structural_tag(tag))
     except Exception as error:
         raise ConstraintError(f"xgrammar could not build the {format} tool-call grammar ({engine_message(error)})") from error
-    text = text.replace(_LENGTH_STRING_CLASS, _JSON_STRING_CLASS)  # JSON string characters, as json_schema does
+    text = text.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)  # JSON string characters, as json_schema does
     return Constraint(
         "ebnf", text, "bounded",
         validate=lambda answer: _check_calls(answer, functions, tool_choice, format, one_call),

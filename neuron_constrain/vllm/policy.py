@@ -24,19 +24,13 @@ import functools
 import json
 import threading
 
-import xgrammar as xgr
-
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, validate_output
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured import keywords
+from neuron_constrain.structured.engines.xgrammar_engine import lark_to_ebnf, structural_tag_ebnf
 
 # vLLM's StructuredOutputOptions names (vllm/v1/structured_output/backend_types.py), lower case
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-
-# xgrammar 0.2.8's character class for a string with minLength/maxLength admits raw control
-# characters; JSON's own class does not (the same repair structured.constraints applies to schemas).
-_LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
-_JSON_STRING_CLASS = r'[^\0-\x1f\"\\]'
 
 
 def from_vllm(kind: str, spec, *, whitespace: str = "none") -> Constraint:
@@ -53,11 +47,7 @@ def from_vllm(kind: str, spec, *, whitespace: str = "none") -> Constraint:
         return choice(json.loads(spec) if isinstance(spec, str) else spec)
     if kind == "grammar":
         if _is_lark(spec):  # vLLM takes Lark too; xgrammar converts it to its own EBNF
-            try:
-                spec = str(xgr.Grammar.from_lark(spec))
-            except Exception as error:  # noqa: BLE001 - xgrammar's parser message
-                raise ConstraintError(f"the Lark grammar could not be read ({' '.join(str(error).split())[:300]})") \
-                    from error
+            spec = lark_to_ebnf(spec)
         return ebnf(spec)
     if kind == "structural_tag":
         return structural_tag(spec)
@@ -83,23 +73,7 @@ def structural_tag(spec) -> Constraint:
             refused = ConstraintError(f"a tool's JSON schema: {error} (at {where} of the structural tag)")
             refused.unenforced = item  # type: ignore[attr-defined]
             raise refused from error
-    try:
-        if isinstance(data, dict) and "structures" in data:  # vLLM's legacy format (begin / schema / end)
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in data["structures"]]
-            grammar = xgr.Grammar.from_structural_tag(items, data["triggers"])
-        else:
-            grammar = xgr.Grammar.from_structural_tag(spec if isinstance(spec, str) else json.dumps(spec))
-    except Exception as error:  # noqa: BLE001 - xgrammar's message
-        raise ConstraintError(f"xgrammar could not read this structural tag ({' '.join(str(error).split())[:300]})") \
-            from error
-    text = str(grammar)
-    if _LENGTH_STRING_CLASS in text:
-        text = text.replace(_LENGTH_STRING_CLASS, _JSON_STRING_CLASS)
-    try:
-        xgr.Grammar.from_ebnf(text)
-    except Exception as error:  # noqa: BLE001
-        raise ConstraintError(f"the structural tag's grammar does not round-trip through EBNF ({error})") from error
+    text = structural_tag_ebnf(data, spec)
     return Constraint("ebnf", text)
 
 

@@ -54,7 +54,9 @@ def test_structural_tag_schemas_go_through_the_policy_and_the_string_fix():
         policy.from_vllm("structural_tag", json.dumps(bad))
     good = policy.from_vllm("structural_tag", json.dumps(
         {"structures": [{"begin": "<tool_call>", "schema": TOOL, "end": "</tool_call>"}], "triggers": ["<tool_call>"]}))
-    assert policy._LENGTH_STRING_CLASS not in good.spec and policy._JSON_STRING_CLASS in good.spec
+    from neuron_constrain.structured.constraints import JSON_STRING_CLASS, LENGTH_STRING_CLASS
+
+    assert LENGTH_STRING_CLASS not in good.spec and JSON_STRING_CLASS in good.spec
 
 
 def test_malformed_constraints_refused():

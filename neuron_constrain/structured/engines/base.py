@@ -121,6 +121,11 @@ class GrammarEngine(abc.ABC):
         unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
         return dataclasses.replace(constraint, spec=schema), unenforced
 
+    def parse(self, constraint: Constraint) -> None:
+        """Raise :class:`ConstraintError` now, before any compilation, if ``constraint`` is
+        malformed and this engine can tell cheaply (without the vocabulary); by default it
+        cannot, and ``compile`` finds it."""
+
     @abc.abstractmethod
     def matcher(self, compiled: Compiled) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``'s grammar."""
