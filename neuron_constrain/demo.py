@@ -93,7 +93,6 @@ def run_taps_demo(seed: int = 0) -> bool:
     return with_taps.passed and not without.passed
 
 
-
 def run_localize_demo(seed: int = 0, plot_path: str | None = None) -> bool:
     """``localize`` on a tiny GPT-OSS whose layer 2 has its expert weights scaled by 1.01:
     the table, the plot, and the forward passes per number of tapped modules. True when

@@ -124,7 +124,6 @@ def _as_int(value) -> int:
     return int(value.as_int)
 
 
-
 def read_example_inputs(path: str, info: zipfile.ZipInfo, data: bytearray):
     """``(args, kwargs)`` from ``data/sample_inputs/<model>.pt`` through ``torch.load(weights_only=True)``."""
     import pickle
