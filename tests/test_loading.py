@@ -409,7 +409,7 @@ def test_programs_with_guards_views_constants_taps_processors_and_ranks_load(tmp
     everything = nc.transform(GreedyStep(tiny_decoder("gpt_oss", vocab_size=PADDED, hidden_size=32, layers=1)),
                               (random_ids(2, 5, VOCAB),), vocab_size=VOCAB, taps=["model.layers.*.mlp.router"],
                               processors=["min_tokens", "logit_bias", "penalties", "min_p"])
-    assert set(everything.report.passes) == {"taps", "logit_mask", "logits_processors"}
+    assert set(everything.report.passes) == {"tap_modules", "mask_logits", "process_logits"}
     # one rank of a vocab-parallel lm_head (a tp_rank input)
     rank = nc.transform(VocabShardedGreedyStep(tiny_decoder("llama", vocab_size=PADDED, hidden_size=32, layers=1), 1, 2),
                         (random_ids(2, 5, VOCAB),), vocab_size=VOCAB, tp_degree=2)
