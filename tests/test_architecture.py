@@ -295,16 +295,23 @@ def test_a_pass_has_one_name_and_declares_its_contract(path):
     assert {"options", "requires", "ensures"} & set(keywords), f"{path.name}'s contract declares nothing"
 
 
+def calls_in(prefix: str, names) -> list[str]:
+    """``file:line calls f`` for every call, in the modules under ``prefix``, of a function or
+    method whose last name is one of ``names``."""
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith(prefix):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} calls {ast.unparse(node.func)}")
+    return found
+
+
 def test_only_the_program_editor_builds_programs():
     """A pass edits through ``ProgramEditor``: it neither calls ``ExportedProgram(...)`` nor builds signatures."""
     built = ("ExportedProgram", "ExportGraphSignature", "ModuleCallSignature", "ModuleCallEntry", "InputSpec", "OutputSpec")
-    bad = []
-    for module, path in MODULES.items():
-        if not module.startswith("neuron_constrain.passes."):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in built:
-                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} calls {ast.unparse(node.func)}")
+    bad = calls_in("neuron_constrain.passes.", built)
     assert not bad, "\n".join(bad)
 
 
@@ -398,13 +405,7 @@ def test_the_decode_loop_is_not_in_structured():
     """``structured/`` holds what grammars do to masks; the decode loop (running the decode
     programs, their cache rows, the pipelined step, sampling noise) is ``decoding/``'s."""
     decoder_work = ("run_step", "run_prefill", "keep_rows", "exponential_", "PipelinedStep", "split_step")
-    bad = []
-    for module, path in MODULES.items():
-        if not module.startswith("neuron_constrain.structured"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in decoder_work:
-                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} calls {ast.unparse(node.func)}")
+    bad = calls_in("neuron_constrain.structured", decoder_work)
     assert not bad, "decoder work in structured/:\n" + "\n".join(bad)
 
 
