@@ -43,7 +43,7 @@ def measure(name: str, reps: int, base_batch: int, **config) -> dict:
     import torch_xla
     import torch_xla.debug.metrics as met
 
-    from neuron_constrain.xla import lower, to_xla
+    from neuron_constrain.decoding.xla import lower, to_xla
 
     device = torch_xla.device()
     vocab = config["vocab_size"]

@@ -46,7 +46,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 import torch  # noqa: E402
 
 import neuron_constrain as nc  # noqa: E402
-from neuron_constrain.pipeline import PipelinedStep, split_step  # noqa: E402
+from neuron_constrain.decoding.pipeline import PipelinedStep, split_step  # noqa: E402
 from neuron_constrain.structured.runtime import StructuredRuntime  # noqa: E402
 from neuron_constrain.transform import Transformed  # noqa: E402
 from decode_steps import decoder, export_decode_step  # noqa: E402
@@ -102,7 +102,7 @@ def measure(model, tokenizer, schemas, batch: int, backend: str, rounds: int, st
     if backend == "xla":
         import torch_xla
 
-        from neuron_constrain.xla import to_xla
+        from neuron_constrain.decoding.xla import to_xla
 
         device = torch_xla.device()
         unsplit_u, unsplit_s, split = to_xla(unsplit_u), to_xla(unsplit_s), split.to(device)

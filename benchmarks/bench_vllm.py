@@ -218,7 +218,7 @@ def head_study(rows: int = 8, repeats: int = 100) -> dict:
 
     import neuron_constrain as nc
     from neuron_constrain.vllm.head import HeadPrograms
-    from neuron_constrain.vllm.tiny_model import build
+    from neuron_constrain.testing.tiny_checkpoint import build
     from timing import interleaved, median_ms
 
     torch.set_num_threads(1)

@@ -260,7 +260,7 @@ def _check(args: argparse.Namespace) -> int:
 def _hlo(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from neuron_constrain.xla import INSTALL_HINTS
+    from neuron_constrain.decoding.xla import INSTALL_HINTS
 
     if args.output is not None:
         _check_output_dir(args.output)
@@ -268,7 +268,7 @@ def _hlo(args: argparse.Namespace) -> int:
     program = load_program(args.input, progress, args.debug, args.allow_pickle)  # an unsafe file is refused first
     if importlib.util.find_spec("torch_xla") is None:
         raise UsageError(INSTALL_HINTS["torch_xla"])
-    from neuron_constrain.xla import lower
+    from neuron_constrain.decoding.xla import lower
 
     with progress.step("lowering to HLO"):
         try:

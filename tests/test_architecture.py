@@ -8,7 +8,8 @@ that package too. The rules:
 
 - no cycle, at any level;
 - every import is allowed by ARCHITECTURE.md's table (which room may import which);
-- every module is in a room of that table;
+- every module is in a room of that table; every host-runtime module but the front door and the
+  demo is in a sub-room's folder;
 - no pass imports another pass's private (``_``) names; nothing imports ``cli`` but ``__main__``;
 - no source module is over 500 lines.
 """
@@ -268,6 +269,24 @@ def test_host_runtime_sub_rooms_import_in_order():
             if other is not None and other not in allowed[room]:
                 bad.append(f"{module} ({room}) runs {target} ({other})")
     assert not bad, "imports against the sub-rooms' order:\n" + "\n".join(sorted(bad))
+
+
+TOP_LEVEL_HOST_MODULES = {"neuron_constrain", "neuron_constrain.demo"}  # the front door and the demo
+
+
+def test_host_runtime_sub_rooms_are_folders():
+    """Every host-runtime module but the front door and the demo lives in a sub-room's folder
+    (``decoding/``, ``structured/``...), not loose at the package's top level, and each
+    sub-room of ARCHITECTURE.md's table names a folder (the demo excepted)."""
+    host, _ = rooms()
+    prefixes, _ = subrooms()
+    top = PACKAGE_DIRS["neuron_constrain"]
+    loose = [f"{MODULES[m].relative_to(ROOT)}" for m in MODULES if room_of(m, host) == "host runtimes"
+             and MODULES[m].parent == top and m not in TOP_LEVEL_HOST_MODULES]
+    assert not loose, f"host-runtime modules loose at the top level (move each into its sub-room's folder): {loose}"
+    not_folders = [p for p in prefixes if p not in TOP_LEVEL_HOST_MODULES
+                   and not (top / p.removeprefix("neuron_constrain.").replace(".", "/") / "__init__.py").exists()]
+    assert not not_folders, f"sub-rooms in ARCHITECTURE.md's table that are not folders: {not_folders}"
 
 
 PASS_FILES = sorted(p for p in (ROOT / "passes").glob("*_pass.py"))

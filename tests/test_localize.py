@@ -288,7 +288,7 @@ def test_compiles_once_on_xla():
     import torch_xla
     import torch_xla.debug.metrics as metrics
 
-    from neuron_constrain.xla import to_xla
+    from neuron_constrain.decoding.xla import to_xla
 
     on_xla = to_xla(device("llama"))
     with perturbed(on_xla, mlp_weight("llama", 2), lambda w: w * 1.01):

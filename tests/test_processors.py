@@ -527,7 +527,7 @@ def test_one_xla_compilation_for_every_processor_state():
     torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
-    from neuron_constrain.xla import to_xla
+    from neuron_constrain.decoding.xla import to_xla
 
     _, t = synthetic("both")
     on_xla, device = to_xla(t), torch_xla.device()

@@ -101,7 +101,7 @@ def given_xla():
 
     import neuron_constrain as nc
     from neuron_constrain.testing import GreedyStep
-    from neuron_constrain.xla import xla_device
+    from neuron_constrain.decoding.xla import xla_device
 
     ids = torch.randint(0, VOCAB, (3, 6))
     return {"t": nc.transform(GreedyStep(tiny()), (ids,), vocab_size=VOCAB), "ids": ids, "dev": xla_device(),

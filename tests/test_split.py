@@ -18,7 +18,7 @@ import neuron_constrain as nc
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.passes.split_at_mask_pass import split_at_mask_pass
-from neuron_constrain.pipeline import split_step
+from neuron_constrain.decoding.pipeline import split_step
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, CachedSamplingStep, cache_state, exponential_noise, tiny_decoder
 from neuron_constrain.transform import Transformed
@@ -187,7 +187,7 @@ def test_each_half_compiles_once_on_xla_and_the_head_takes_the_cut_and_mask(cut_
     torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as met
 
-    from neuron_constrain.xla import lower
+    from neuron_constrain.decoding.xla import lower
 
     transformed = fresh(cached_step("llama", False, True))
     cpu = fresh(transformed)

@@ -191,7 +191,7 @@ def test_switching_taps_compiles_once_on_xla():
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as metrics
 
-    from neuron_constrain.xla import to_xla
+    from neuron_constrain.decoding.xla import to_xla
 
     model = tiny_decoder("llama", vocab_size=VOCAB, seed=0)
     ids = random_ids(2, SEQ, VOCAB)

@@ -262,7 +262,7 @@ def test_one_xla_compilation_serves_every_rank():
     torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as metrics
 
-    from neuron_constrain.xla import to_xla
+    from neuron_constrain.decoding.xla import to_xla
 
     def compilations() -> int:
         data = metrics.metric_data("CompileTime")

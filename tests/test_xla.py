@@ -16,7 +16,7 @@ import torch
 
 import neuron_constrain as nc
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
-from neuron_constrain.xla import MissingDependencyError, example_inputs, hlo_parameters, lower, to_neff, to_xla
+from neuron_constrain.decoding.xla import MissingDependencyError, example_inputs, hlo_parameters, lower, to_neff, to_xla
 from test_backend import BATCH, PADDED, SEQ, TAPS, VOCAB, check_cases
 from conftest import require_torch_xla
 from cli_runner import run_cli

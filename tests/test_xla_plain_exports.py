@@ -27,7 +27,7 @@ from neuron_constrain import cli
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
 from neuron_constrain.transform import strip_added_outputs
-from neuron_constrain.xla import hlo_parameters, lower, to_xla
+from neuron_constrain.decoding.xla import hlo_parameters, lower, to_xla
 from conftest import require_torch_xla
 
 torch_xla = require_torch_xla()

@@ -207,7 +207,7 @@ def generate(
     with ``unenforced="allow"`` lists the keywords on ``Generation.unenforced`` and a
     finished output is validated against the schema (``Generation.violation``).
     ``pipelined``: fill each step's masks while the model's body runs (the graph cut at
-    the mask, ``neuron_constrain.pipeline``; uncached steps only); the same tokens as the serial loop.
+    the mask, ``neuron_constrain.decoding.pipeline``; uncached steps only); the same tokens as the serial loop.
     ``jump_forward``: ``"exact"`` or ``"canonical"`` (see ``structured/jump_forward.py``): the
     tokens each grammar forces are decoded as drafts of a verify step (a decoder exported
     with ``new_tokens=(1, 2, 4, 8)``: up to 7 a step), in the same forward pass as the

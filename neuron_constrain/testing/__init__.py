@@ -9,7 +9,10 @@ wrappers an on-device sampler would compile, and a toy vocabulary.
     vocab = toy_tokenizer()                  # a byte-level test Vocabulary (xgrammar TokenizerInfo + encode)
 
 ``decoders.py``: tiny decoders and full-sequence steps; ``steps.py``: KV-cached, NxD-style and
-vocab-parallel decode steps; ``vocabulary.py``: the toy vocabulary, teacher forcing, a tool.
+vocab-parallel decode steps; ``vocabulary.py``: the toy vocabulary, teacher forcing, a tool;
+``tiny_checkpoint.py``: the tiny Llama saved as a checkpoint folder with a real tokenizer (what
+the vLLM plugin serves as ``--model tiny``; ``build(folder)``, not re-exported here so that
+``python -m neuron_constrain.testing.tiny_checkpoint`` runs it once).
 """
 from __future__ import annotations
 

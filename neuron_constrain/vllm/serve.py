@@ -116,7 +116,7 @@ def resolve(model: str) -> dict:
         return dict(model=smollm2_dir(), name="smollm2", chat_template=str(CHAT_TEMPLATE), max_model_len=2048,
                     structured_outputs=REAL_MODEL_STRUCTURED_OUTPUTS)
     if model in ("tiny", TINY_DIR):
-        from neuron_constrain.vllm.tiny_model import build
+        from neuron_constrain.testing.tiny_checkpoint import build
 
         return dict(model=build(TINY_DIR), name="tiny")
     return dict(model=model, name=pathlib.Path(model).name, structured_outputs=REAL_MODEL_STRUCTURED_OUTPUTS,

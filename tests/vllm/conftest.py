@@ -38,7 +38,7 @@ class Server:
     def __init__(self, name: str, *, plugin: bool = True, env: dict | None = None, tmp: pathlib.Path,
                  extra: list[str] | None = None, max_num_seqs: int = 8, model: str = "tiny"):
         from neuron_constrain.vllm.serve import command, environment, resolve
-        from neuron_constrain.vllm.tiny_model import build
+        from neuron_constrain.testing.tiny_checkpoint import build
 
         self.port = free_port()
         if model == "tiny":

@@ -99,7 +99,7 @@ class Split:
         return self.head(*self.body(*body_args, **body_kwargs), **self.head_kwargs(args, kwargs))
 
     def to(self, device: torch.device | None = None) -> "Split":
-        """Both halves on the XLA device (``neuron_constrain.xla.to_xla``).
+        """Both halves on the XLA device (``neuron_constrain.decoding.xla.to_xla``).
 
         The moved weights and state are materialised at once (synced): torch-xla keeps
         small scalars (a cache's length counters) as pending constants, which made the
@@ -107,7 +107,7 @@ class Split:
         """
         import torch_xla
 
-        from neuron_constrain.xla import to_xla
+        from neuron_constrain.decoding.xla import to_xla
 
         moved = dataclasses.replace(self, body=to_xla(self.body, device), head=to_xla(self.head, device))
         state = [t for half in (moved.body, moved.head) for t in (*half.program.state_dict.values(),

@@ -1,8 +1,9 @@
-"""The embedded default model for ``make serve`` and the vLLM tests: a tiny random-weight
-Llama with the real Mistral 7B v0.1 sentencepiece tokenizer (shipped in ``mistral_common``),
-built locally with ``save_pretrained`` — nothing is downloaded.
+"""The tiny decoder as a Hugging Face checkpoint on disk, for servers that load a folder (the
+vLLM plugin's ``--model tiny``, its tests and ``bench_vllm``): ``tiny_decoder("llama")`` with
+the real Mistral 7B v0.1 sentencepiece tokenizer (shipped in ``mistral_common``), written with
+``save_pretrained`` — nothing is downloaded.
 
-    python -m neuron_constrain.vllm.tiny_model build/tiny-llama   # prints the directory
+    python -m neuron_constrain.testing.tiny_checkpoint build/tiny-llama   # prints the directory
 """
 from __future__ import annotations
 
@@ -30,17 +31,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# tiny_config("llama", ...) keywords: 2 layers, 4 heads (head_dim 32: vLLM's CPU attention
+# backend needs >= 32), 2 KV heads, intermediate 2 * hidden, untied lm_head
 CONFIG = dict(
     vocab_size=32002,   # Mistral's 32000 pieces + <tool_call>, </tool_call>
     hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,      # head_dim 32: the CPU attention backend needs >= 32
-    num_key_value_heads=2,
     max_position_embeddings=1024,
     bos_token_id=1,
     eos_token_id=2,
-    tie_word_embeddings=False,
 )
 STAMP = "neuron_constrain_tiny_model.json"
 
@@ -60,7 +58,9 @@ def build(directory: str | os.PathLike, *, seed: int = 0) -> str:
     if (out / STAMP).exists():
         return str(out)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+    from transformers import LlamaTokenizer
+
+    from neuron_constrain.testing.decoders import tiny_decoder
 
     out.mkdir(parents=True, exist_ok=True)
     staging = out / "_tokenizer_src"
@@ -77,9 +77,7 @@ def build(directory: str | os.PathLike, *, seed: int = 0) -> str:
     tokenizer.save_pretrained(str(out))
     shutil.rmtree(staging)
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(**CONFIG, dtype="float32")
-    model = LlamaForCausalLM(config)
+    model = tiny_decoder("llama", seed=seed, **CONFIG)
     with torch.no_grad():  # larger logits than the default init: fewer near-ties, more varied greedy text
         model.lm_head.weight.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
