@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--compile-timeout", type=float, default=30.0)
     parser.add_argument("--json", help="write the records and totals here")
+    parser.add_argument("--compile", default="inductor", choices=("inductor", "none"),
+                        help="the programs as AOTInductor packages (default; compiled once into build/packages) or eager")
     args = parser.parse_args(argv)
 
     import torch
@@ -63,8 +65,10 @@ def main(argv=None) -> int:
     loaded = models.load_model("smollm2" if args.model == "real" else "tiny")
     tokenizer = loaded.tokenizer
     start = time.perf_counter()
-    decoder = models.export(loaded, max_batch=1, max_len=2048, new_tokens=BUCKETS)
-    print(f"exported the prefill and {len(decoder.steps)} step programs in {time.perf_counter() - start:.0f} s", flush=True)
+    decoder = models.export(loaded, max_batch=1, max_len=2048, new_tokens=BUCKETS,
+                            compile=None if args.compile == "none" else args.compile)
+    print(f"exported the prefill and {len(decoder.steps)} step programs in {time.perf_counter() - start:.0f} s "
+          f"(compile {args.compile})", flush=True)
     records = []
     with StructuredRuntime.for_model(decoder, tokenizer, max_rows=max(BUCKETS), engine=args.engine) as runtime:
         for index, path in enumerate(files):

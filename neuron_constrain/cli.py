@@ -328,7 +328,7 @@ def _localize(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from neuron_constrain.demo import run_demo
 
-    return run_demo(seed=args.seed, model=args.model)
+    return run_demo(seed=args.seed, model=args.model, compile=None if args.compile == "none" else args.compile)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -341,7 +341,8 @@ def _generate(args: argparse.Namespace) -> int:
                                        tools=args.tools, tool_choice=args.tool_choice, whitespace=args.whitespace,
                                        parallel_tool_calls=args.parallel_tool_calls,
                                        max_tokens=args.max_tokens)
-        answer = ask(load_model(args.model), request, engine=args.engine, max_tokens=args.max_tokens)
+        answer = ask(load_model(args.model), request, engine=args.engine, max_tokens=args.max_tokens,
+                     compile=None if args.compile == "none" else args.compile)
     except (ConstraintError, ModelNotInstalledError, ValueError) as e:
         if args.debug:
             raise
@@ -358,6 +359,13 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: the answer is incomplete or invalid: {answer.problem}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _add_compile(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--compile", choices=("none", "inductor"), default="none",
+                         help="inductor: run the decode programs as AOTInductor packages, compiled once into "
+                              "build/packages (minutes the first time, then loaded); default none: eager, which "
+                              "answers a one-off command sooner when nothing is compiled yet (README, Speed)")
 
 
 def _add_allow_pickle(command: argparse.ArgumentParser) -> None:
@@ -450,11 +458,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="whitespace JSON may hold between tokens (with --schema; default compact: "
                                "the most accurate on SmolLM2, benchmarks/bench_quality.py)")
     generate.add_argument("--max-tokens", type=int, default=256, metavar="N", help="the most tokens to generate")
+    _add_compile(generate)
     generate.set_defaults(func=_generate)
 
     demo = sub.add_parser("demo", help="structured outputs on SmolLM2 (--model tiny: the passes on random-weight decoders)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    _add_compile(demo)
     demo.set_defaults(func=_demo)
     return parser
 

@@ -37,10 +37,11 @@ LANE = os.environ.get("NEURON_CONSTRAIN_LANE") or (
 def pytest_collection_modifyitems(config, items):
     """A host-side test (``torch_agnostic``: its outcome does not depend on torch) runs on one lane only:
     the main lane, or the lane its marker names (``pytest.mark.torch_agnostic(lane="latest")``, to even
-    out the lanes' times). The other lane lists it as deselected. Unmarked tests run on every lane."""
+    out the lanes' times); so does a test that compiles for minutes (``one_lane``). The other lane lists
+    it as deselected. Unmarked tests run on every lane."""
     keep, elsewhere = [], []
     for item in items:
-        mark = item.get_closest_marker("torch_agnostic")
+        mark = item.get_closest_marker("torch_agnostic") or item.get_closest_marker("one_lane")
         (elsewhere if mark is not None and mark.kwargs.get("lane", "main") != LANE else keep).append(item)
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)

@@ -250,6 +250,12 @@ class CachedDecoder:
     window_bucket: int = 64
     sampled: bool = False  # the programs take noise and temperature (export_decoder(sampled=True))
     logits_width: int = 0  # the lm_head's columns (the noise's last dimension)
+    compiled: str | None = None  # None: the programs run eagerly; "inductor" / "xla": decoding.compiled
+    compile_seconds: float = 0.0
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # the programs' inputs go here
+    packages: dict = dataclasses.field(default_factory=dict)  # "inductor": program name -> its package (.pt2)
+    packages_built: int = 0  # "inductor": packages compiled by this call (the others came from the cache)
+    eager: "CachedDecoder | None" = None  # a compiled decoder's eager twin (the reference)
 
     @property
     def step(self):
@@ -272,8 +278,9 @@ class CachedDecoder:
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+        rows = torch.as_tensor(list(rows), dtype=torch.long)
         with torch.no_grad():  # with grad on, every write would chain the cache into an ever-growing autograd graph
-            return self.prefill.run(ids, torch.as_tensor(list(rows), dtype=torch.long), last, **extra)
+            return self._synced(self.prefill.run(*self._moved((ids, rows, last)), **self._moved(extra)))
 
     def run_step(self, tokens, positions: Sequence[int], **extra):
         """One step of cache rows ``0..B-1``: ``tokens [B, n]`` at positions ``positions[b] + 0..n-1``."""
@@ -288,15 +295,48 @@ class CachedDecoder:
         window = _round_up(end, self.window_bucket, self.max_len)
         attention_mask = torch.arange(window)[None, :] <= position_ids[:, -1:]
         with torch.no_grad():
-            return self.steps[n].run(tokens, position_ids, attention_mask, **extra)
+            return self._synced(self.steps[n].run(*self._moved((tokens, position_ids, attention_mask)), **self._moved(extra)))
+
+    def _moved(self, values):
+        """A tuple or dict of host-made inputs, on the programs' device (on the XLA device
+        each one is device data, a parameter of the graph: new values never recompile)."""
+        if self.device.type == "cpu":
+            return values
+        move = lambda value: value.to(self.device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+        return {k: move(v) for k, v in values.items()} if isinstance(values, dict) else tuple(move(v) for v in values)
+
+    def _synced(self, result):
+        """On the XLA device, run what is pending now, the cache writes with the outputs: one
+        graph a call (left pending, the writes would join the next call's graph, a new one
+        every step)."""
+        if self.device.type == "xla":
+            import torch_xla
+
+            torch_xla.sync()
+        return result
 
     @torch.no_grad()
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Move cache rows ``rows`` (ascending) to rows ``0..len(rows)-1`` (finished requests leave)."""
+        if list(rows) == list(range(len(rows))):
+            return
+        if self.device.type != "cpu":  # one gather of every row (its order as device data): one graph for any rows
+            order = torch.tensor([*rows, *(r for r in range(self.max_batch) if r not in set(rows))], device=self.device)
+            for tensor in self.cache:
+                tensor.copy_(tensor.index_select(0, order))
+            self._synced(None)
+            return
         for new, old in enumerate(rows):
             if new != old:
                 for tensor in self.cache:
                     tensor[new].copy_(tensor[old])
+
+    def save_cache(self, path) -> None:
+        """Write the KV cache as it is (``torch.save``, named as the ``"inductor"`` packages'
+        constants): what a plain-torch user loads into a package to go on from here."""
+        from neuron_constrain.decoding.compiled import _cache_names
+
+        torch.save({k: v.cpu() for k, v in _cache_names(self.prefill.program, self.cache).items()}, path)
 
 
 def _share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
@@ -316,7 +356,8 @@ def _share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
 
 
 def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_tokens: int | Sequence[int] = 1,
-                   strict: bool = False, pad_id: int = 0, sampled: bool = False, **transform_options) -> CachedDecoder:
+                   strict: bool = False, pad_id: int = 0, sampled: bool = False, compile: str | None = None,
+                   package_dir=None, **transform_options) -> CachedDecoder:
     """Export ``model``'s prefill and step programs over one static cache and run the passes.
 
     ``new_tokens``: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode
@@ -326,6 +367,9 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     right-padding a prompt (never attended by real tokens). ``sampled``: every program also
     takes ``noise`` (Exponential(1), the logits' shape) and ``temperature [B]`` and samples
     by the exponential race instead of the argmax (``generate(..., temperature=)``).
+    ``compile``: ``"inductor"`` (AOTInductor packages, kept in ``package_dir``) or ``"xla"``
+    runs the programs compiled (:func:`neuron_constrain.decoding.compile_decoder`; the
+    eager programs stay as ``decoder.eager``); None runs them eagerly.
     """
     from torch.export import Dim
 
@@ -366,5 +410,10 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
                 dynamic_shapes=({0: batch}, {0: batch}, {0: batch, 1: window}, *dims), **options,
             )
     tensors = _share_cache([prefill, *steps.values()])
-    return CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
-                         sampled=sampled, logits_width=width)
+    decoder = CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
+                            sampled=sampled, logits_width=width)
+    if compile is None:
+        return decoder
+    from neuron_constrain.decoding.compiled import compile_decoder
+
+    return compile_decoder(decoder, compile, cache_dir=package_dir)

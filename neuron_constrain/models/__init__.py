@@ -29,23 +29,28 @@ __all__ = ["DEFAULT_SYSTEM", "INSTALL", "MODELS", "TOOL_CHAT_TEMPLATE", "Loaded"
            "build_root", "chat_prompt", "export", "gguf_path", "load_model", "load_smollm2", "prompt_ids", "smollm2_dir"]
 
 
-def load_model(name: str, *, seed: int = 0) -> Loaded:
-    """``"smollm2"`` (the real model) or ``"tiny"`` (random weights, toy tokenizer)."""
+def load_model(name: str, *, seed: int = 0, dtype=None) -> Loaded:
+    """``"smollm2"`` (the real model) or ``"tiny"`` (random weights, toy tokenizer); ``dtype``:
+    the weights' (default float32; ``torch.bfloat16`` reads half the bytes a decode step)."""
     if name == "smollm2":
-        return load_smollm2()
+        return load_smollm2(dtype=dtype)
     if name == "tiny":
+        import torch
+
         from neuron_constrain.testing import tiny_decoder, toy_tokenizer
 
         vocab = toy_tokenizer()
-        model = tiny_decoder("llama", vocab_size=32 * -(-vocab.vocab_size // 32), seed=seed)
+        model = tiny_decoder("llama", vocab_size=32 * -(-vocab.vocab_size // 32), seed=seed, dtype=dtype or torch.float32)
         return Loaded(model, None, vocab, None)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
 def export(loaded: Loaded, *, max_batch: int = 8, max_len: int = 1024, **options):
-    """``neuron_constrain.decoding.export_decoder`` for ``loaded`` (mask width: its tokenizer's vocabulary)."""
+    """``neuron_constrain.decoding.export_decoder`` for ``loaded`` (mask width: its tokenizer's
+    vocabulary); ``compile="inductor"`` keeps its packages in ``build/packages``."""
     from neuron_constrain.decoding import export_decoder
 
+    options.setdefault("package_dir", build_root() / "packages")
     return export_decoder(loaded.model, max_batch=max_batch, max_len=max_len, vocab_size=loaded.tokenizer.vocab_size,
                           pad_id=loaded.tokenizer.eos_id, **options)
 

@@ -126,8 +126,11 @@ class Answer:
     problem: str | None = None  # why the finished answer does not satisfy the constraint (never expected)
 
 
-def ask(loaded: Loaded, request: Request, *, engine: str = "auto", max_tokens: int = 256) -> Answer:
-    """Export ``loaded`` for this one request (a cache sized to it) and generate greedily."""
+def ask(loaded: Loaded, request: Request, *, engine: str = "auto", max_tokens: int = 256,
+        compile: str | None = None) -> Answer:
+    """Export ``loaded`` for this one request (a cache sized to it) and generate greedily.
+    ``compile="inductor"``: AOTInductor packages (the cache then in steps of 1024 slots, so
+    every request of up to 1024 tokens reuses the packages compiled once)."""
     from neuron_constrain.models import export, prompt_ids
 
     if max_tokens < 1:
@@ -136,7 +139,8 @@ def ask(loaded: Loaded, request: Request, *, engine: str = "auto", max_tokens: i
     tools = request.tools if request.tools is not None and request.tool_choice != "none" else None
     ids = prompt_ids(loaded, request.prompt, system=request.system, tools=tools)
     start = time.perf_counter()
-    decoder = export(loaded, max_batch=1, max_len=64 * -(-(len(ids) + max_tokens) // 64))
+    step = 64 if compile is None else 1024
+    decoder = export(loaded, max_batch=1, max_len=step * -(-(len(ids) + max_tokens) // step), compile=compile)
     out = generate(decoder, [ids], [constraint], max_tokens, tokenizer=loaded.tokenizer, engine=engine).outputs[0]
     answer = Answer(out.text, len(out.tokens), out.finish_reason, time.perf_counter() - start, out.error)
     if out.finish_reason != "stop":

@@ -1,0 +1,200 @@
+"""The decode programs compiled ahead of time: AOTInductor packages, or the programs on the XLA device.
+
+    decoder = export_decoder(model, max_batch=8, max_len=1024, vocab_size=V, compile="inductor")
+    decoder = compile_decoder(eager, "inductor")   # the same, from a decoder already exported
+    decoder = compile_decoder(eager, "xla")        # torch-xla: the lowering torch-neuronx compiles
+
+``"inductor"``: every program (the prefill and each step) becomes one AOTInductor package
+(``torch._inductor.aoti_compile_and_package``) compiled once for all its dynamic shapes
+(batch, prefill length, attention window): no shape compiles again, and a later export of
+the same graph and weights loads its package from the cache folder (keyed by the graph,
+its signature, a digest of the weights, the torch version). The weights are frozen into
+the package (Inductor's ``freezing``: each linear layer's weight prepacked for oneDNN,
+which on this CPU multiplies a batch of 8 rows in half MKL's time, and one row faster
+too); the KV cache is not: it is loaded into every package as a *user-managed constant*,
+the very tensors the eager programs hold, so all of them read and write the one cache
+(``keep_rows`` moves its rows for all) and the eager programs stay the reference,
+runnable side by side. A package runs in plain torch, without this library::
+
+    step = torch._inductor.aoti_load_package("step.pt2")
+    step.load_constants(torch.load("cache.pt"), check_full_update=False)  # CachedDecoder.save_cache
+    tokens, empty_rows = step(input_ids, position_ids, attention_mask, logit_mask=mask)
+
+``"xla"``: every program is copied to the XLA device (``decoding.xla.to_xla``) over one
+cache there; the host sends each step's inputs (tokens, positions, the mask, noise) as
+device data, so one HLO graph is compiled per program and (batch, length or window)
+bucket, and none after a warm-up over those buckets.
+
+Only the program runs compiled: the host code around it (feeding the added inputs,
+checking a mask's shape, reading the empty-row flags) is ``Transformed``'s own.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import pathlib
+import tempfile
+import time
+
+import torch
+
+__all__ = ["BACKENDS", "compile_decoder", "package_cache_dir"]
+
+BACKENDS = ("inductor", "xla")
+
+
+def package_cache_dir() -> pathlib.Path:
+    """Where AOTInductor packages are kept: ``$NEURON_CONSTRAIN_PACKAGES``, else a
+    ``neuron_constrain`` folder in Inductor's own cache (``$TORCHINDUCTOR_CACHE_DIR``)."""
+    if os.environ.get("NEURON_CONSTRAIN_PACKAGES"):
+        return pathlib.Path(os.environ["NEURON_CONSTRAIN_PACKAGES"])
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return pathlib.Path(cache_dir()) / "neuron_constrain"
+
+
+class _Runner(torch.nn.Module):
+    """A compiled callable where ``Transformed`` keeps its graph module."""
+
+    def __init__(self, compiled):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+
+def _running(transformed, runner: torch.nn.Module):
+    """A copy of ``transformed`` that calls ``runner`` instead of its graph module (the
+    program, report and host-side checks are shared, not copied)."""
+    twin = copy.copy(transformed)
+    twin.__dict__["_modules"] = dict(transformed._modules)
+    twin.graph_module = runner
+    return twin
+
+
+def weights_digest(program, cache: list[torch.Tensor]) -> str:
+    """A digest of every constant of ``program`` but the cache (whose values change): what a
+    package with frozen weights depends on beside its graph."""
+    skip = {id(t) for t in cache}
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(_constants(program).items()):
+        if id(tensor) in skip:
+            continue
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _graph_key(program, weights: str) -> str:
+    """What an AOTInductor package depends on: the graph, its signature and shape ranges,
+    the weights, the torch version."""
+    text = "\n".join([weights,
+        torch.__version__,
+        program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True),
+        str(program.graph_signature),
+        str(sorted((str(k), str(v)) for k, v in program.range_constraints.items())),
+        str(program.call_spec.in_spec), str(program.call_spec.out_spec),
+    ])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _constants(program) -> dict[str, torch.Tensor]:
+    return {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
+
+
+def _package(program, weights: str, folder: pathlib.Path, log) -> tuple[pathlib.Path, bool]:
+    """The program's package in ``folder``, compiled first if it is not there: (path, compiled now)."""
+    from torch._inductor import aoti_compile_and_package
+
+    path = folder / f"{_graph_key(program, weights)}.pt2"
+    if path.is_file():
+        return path, False
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:  # written whole, then moved: no torn package
+        built = aoti_compile_and_package(
+            program, package_path=os.path.join(scratch, "program.pt2"),
+            inductor_configs={"freezing": True},
+        )
+        os.replace(built, path)
+    log(f"compiled {path.name} in {time.perf_counter() - start:.1f} s")
+    return path, True
+
+
+def _cache_names(program, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = {id(t) for t in cache}
+    return {name: t for name, t in program.state_dict.items() if id(t) in ids}
+
+
+def _load(path: pathlib.Path, program, cache: list[torch.Tensor]):
+    from torch._inductor import aoti_load_package
+
+    compiled = aoti_load_package(str(path))
+    shared = _cache_names(program, cache)
+    missing = sorted(set(shared) - set(compiled.get_constant_fqns()))
+    if missing:  # it would write a cache of its own: every step would read stale keys
+        raise RuntimeError(f"the package {path} does not take the KV cache as a constant ({missing[:3]}); "
+                           "delete it (a stale cache entry) and compile again")
+    # user-managed: the package reads and writes these very tensors (the one shared cache)
+    compiled.load_constants(shared, check_full_update=False, user_managed=True)
+    return compiled
+
+
+def _inductor(decoder, cache_dir, log):
+    folder = pathlib.Path(cache_dir) if cache_dir is not None else package_cache_dir()
+    programs = {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
+    packages, built = {}, 0
+    weights = weights_digest(decoder.prefill.program, decoder.cache)  # every program holds the same weights
+    for name, transformed in programs.items():
+        for tensor in _constants(transformed.program).values():
+            if tensor.device.type != "cpu":
+                raise ValueError(f"{name}: AOTInductor here compiles for the CPU, but a weight is on {tensor.device}")
+        path, now = _package(transformed.program, weights, folder, log)
+        built += now
+        packages[name] = path
+    compiled = {name: _running(programs[name], _Runner(_load(path, programs[name].program, decoder.cache)))
+                for name, path in packages.items()}
+    return compiled, packages, built
+
+
+def _xla(decoder):
+    from neuron_constrain.decoding.decoder import _share_cache
+    from neuron_constrain.decoding.xla import to_xla, xla_device
+
+    device = xla_device()
+    programs = {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
+    moved = {name: to_xla(t, device) for name, t in programs.items()}
+    cache = _share_cache(list(moved.values()))
+    return moved, cache, device
+
+
+def compile_decoder(decoder, backend: str = "inductor", *, cache_dir=None, log=None):
+    """A :class:`~neuron_constrain.decoding.CachedDecoder` whose programs run compiled
+    (``backend``: ``"inductor"``, AOTInductor packages on the CPU; ``"xla"``, the programs
+    on the XLA device). ``decoder`` is left as it was; with ``"inductor"`` both share
+    one KV cache (the compiled one is a faster view of the same programs)."""
+    from neuron_constrain.decoding.decoder import CachedDecoder
+
+    if not isinstance(decoder, CachedDecoder):
+        raise TypeError(f"compile_decoder takes a CachedDecoder (export_decoder's), not {type(decoder).__name__}")
+    if decoder.compiled is not None:
+        raise ValueError(f"this decoder is already compiled ({decoder.compiled}); compile the eager one")
+    log = log or (lambda message: None)
+    start = time.perf_counter()
+    if backend == "inductor":
+        programs, packages, built = _inductor(decoder, cache_dir, log)
+        fields = dict(cache=decoder.cache, packages=packages, packages_built=built)
+    elif backend == "xla":
+        programs, cache, device = _xla(decoder)
+        fields = dict(cache=cache, device=device)
+    else:
+        raise ValueError(f"compile={backend!r}: choose one of {', '.join(BACKENDS)} (or None: run the programs eagerly)")
+    steps = {int(name[len("step"):]): program for name, program in programs.items() if name != "prefill"}
+    return CachedDecoder(
+        programs["prefill"], steps, max_batch=decoder.max_batch, max_len=decoder.max_len,
+        export_seconds=decoder.export_seconds, pad_id=decoder.pad_id, length_bucket=decoder.length_bucket,
+        window_bucket=decoder.window_bucket, sampled=decoder.sampled, logits_width=decoder.logits_width,
+        compiled=backend, compile_seconds=time.perf_counter() - start, eager=decoder, **fields,
+    )
