@@ -193,11 +193,15 @@ def totals(rows: list[dict], wall: float) -> dict:
 
 def hf_xgrammar(loaded, prompts, constraints, max_tokens, batch) -> tuple[list[list[int]], float]:
     """HF ``generate`` greedy with ``xgrammar.contrib.hf.LogitsProcessor``, ``batch`` prompts at a time (left-padded)."""
-    import xgrammar as xgr
     from xgrammar.contrib.hf import LogitsProcessor
 
-    compiler = xgr.GrammarCompiler(loaded.tokenizer.info)
-    grammars = [c.compile(compiler) for c in constraints]
+    from neuron_constrain.structured.engines import XGrammarEngine
+
+    engine = XGrammarEngine(loaded.tokenizer)  # the grammars ours compiles (the same text for every task)
+    try:
+        grammars = [engine.compile(c).grammar for c in constraints]
+    finally:
+        engine.close()
     eos, outputs = loaded.tokenizer.eos_id, []
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):

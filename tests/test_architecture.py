@@ -404,10 +404,6 @@ def test_no_copy_of_another_room_s_constants():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 item 2, the rest not landed: Constraint.compile / schema_grammar and "
-                                       "validate_output's EBNF check still use xgrammar in structured/constraints.py "
-                                       "(benchmarks/bench_quality.py calls Constraint.compile), tokenizers.py builds "
-                                       "xgrammar's TokenizerInfo, tools.py xgrammar's structural tags")
 def test_engines_own_their_grammars():
     """Only ``structured/engines/`` imports a grammar engine's library in ``structured/``."""
     bad = []

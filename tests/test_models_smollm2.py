@@ -15,6 +15,7 @@ import torch
 from neuron_constrain import models as M
 from neuron_constrain import structured as S
 from neuron_constrain.structured.engines import ENGINE_CHOICES
+from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
 from neuron_constrain.testing import weather_tool
 
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "Write one sentence about the sea and the sky at night."]
@@ -130,7 +131,7 @@ def _hf_xgrammar(loaded, ids: list[int], constraint, max_new: int) -> list[int]:
     import xgrammar as xgr
     from xgrammar.contrib.hf import LogitsProcessor
 
-    grammar = constraint.compile(xgr.GrammarCompiler(loaded.tokenizer.info))
+    grammar = compile_grammar(xgr.GrammarCompiler(xgrammar_info(loaded.tokenizer.info)), constraint)
     with torch.no_grad():
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
                                     logits_processor=[LogitsProcessor(grammar)])

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.kernels import unpack_bitmask
+from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
 from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer, weather_tool
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
@@ -191,11 +192,11 @@ def test_width_mismatch_and_bad_constraints(greedy, vocab):
 
 def test_length_bounded_strings_reject_control_characters(vocab):
     """xgrammar 0.2.8 lets raw control characters into minLength/maxLength strings; we do not."""
-    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
+    compiler = xgr.GrammarCompiler(xgrammar_info(vocab.info), max_threads=1)
     for compact in (True, False):
         constraint = S.json_schema({"type": ["string", "null"], "maxLength": 4}, compact=compact)
-        assert not xgr.GrammarMatcher(constraint.compile(compiler)).accept_string('"a\x06')
-        assert xgr.GrammarMatcher(constraint.compile(compiler)).accept_string('"a\u00e9"')
+        assert not xgr.GrammarMatcher(compile_grammar(compiler, constraint)).accept_string('"a\x06')
+        assert xgr.GrammarMatcher(compile_grammar(compiler, constraint)).accept_string('"a\u00e9"')
     raw = compiler.compile_json_schema({"type": ["string", "null"], "maxLength": 4}, any_whitespace=False)
     assert xgr.GrammarMatcher(raw).accept_string('"a\x06')  # the upstream behaviour this guards against
 
@@ -248,8 +249,8 @@ class _Reference:
 
 @pytest.fixture(scope="module")
 def compiled(vocab):
-    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
-    return [None if c is None else c.compile(compiler) for c in POOL]
+    compiler = xgr.GrammarCompiler(xgrammar_info(vocab.info), max_threads=1)
+    return [None if c is None else compile_grammar(compiler, c) for c in POOL]
 
 
 @settings(max_examples=examples(30))

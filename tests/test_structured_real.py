@@ -13,6 +13,7 @@ import xgrammar as xgr
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
+from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
 from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
 from neuron_constrain.testing import tiny_decoder, weather_tool
 
@@ -97,7 +98,7 @@ def runtimes(tokenizers, models):
 
 
 def _accepts_prefix(tok, constraint, tokens) -> bool:
-    matcher = xgr.GrammarMatcher(constraint.compile(xgr.GrammarCompiler(tok.info, max_threads=1)))
+    matcher = xgr.GrammarMatcher(compile_grammar(xgr.GrammarCompiler(xgrammar_info(tok.info), max_threads=1), constraint))
     return all(matcher.accept_token(t) for t in tokens)
 
 

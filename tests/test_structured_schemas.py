@@ -18,6 +18,7 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain import structured as S
+from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
 from neuron_constrain.testing import ForcedStep, GreedyStep, tiny_decoder, toy_tokenizer
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
@@ -122,8 +123,8 @@ def test_instances_are_valid():
 
 
 def _prefix_accepted(vocab, constraint, text) -> bool:
-    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
-    return xgr.GrammarMatcher(constraint.compile(compiler)).accept_string(text)
+    compiler = xgr.GrammarCompiler(xgrammar_info(vocab.info), max_threads=1)
+    return xgr.GrammarMatcher(compile_grammar(compiler, constraint)).accept_string(text)
 
 
 @pytest.mark.parametrize("prompt", ["Answer in JSON:", "{"])
@@ -232,7 +233,7 @@ def test_validate_output_uses_the_declared_draft():
 
 
 def _accepts(vocab, constraint, text) -> bool:
-    matcher = xgr.GrammarMatcher(constraint.compile(xgr.GrammarCompiler(vocab.info, max_threads=1)))
+    matcher = xgr.GrammarMatcher(compile_grammar(xgr.GrammarCompiler(xgrammar_info(vocab.info), max_threads=1), constraint))
     return matcher.accept_string(text) and matcher.is_completed()
 
 
@@ -255,10 +256,10 @@ def test_whitespace_and_strict_options(vocab):
 
 
 def test_constraint_errors_are_one_clean_line(vocab):
-    compiler = xgr.GrammarCompiler(vocab.info, max_threads=1)
+    compiler = xgr.GrammarCompiler(xgrammar_info(vocab.info), max_threads=1)
     for constraint in [S.json_schema({"type": "strin"}), S.regex("(unclosed"), S.ebnf("root ::= undefined_rule")]:
         with pytest.raises(S.ConstraintError) as error:
-            constraint.compile(compiler)
+            compile_grammar(compiler, constraint)
         message = str(error.value)
         assert "\n" not in message and ".cc:" not in message and "/project" not in message, message
         assert not message.startswith("[") and "resubmit" in message or "fix the schema" in message, message

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
+from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
 from neuron_constrain.structured.tokenizers import (
     Tokenizer,
     TokenizerInfoError,
@@ -62,13 +63,13 @@ def test_control_tokens_are_never_grammar_text(mistral, name):
     """At any point of a JSON string, of free regex text and of any JSON, no control token is allowed."""
     tok = mistral[name]
     audit(tok.info, tok)
-    compiler = xgr.GrammarCompiler(tok.info, max_threads=1)
+    compiler = xgr.GrammarCompiler(xgrammar_info(tok.info), max_threads=1)
     controls = torch.tensor(sorted(tok.special_ids))
     for grammar, prefix in [
         (compiler.compile_builtin_json_grammar(), '{"a": "x'),
         (compiler.compile_builtin_json_grammar(), ""),
         (compiler.compile_regex(r"[\s\S]*"), "free text "),
-        (S.json_schema({"type": "string"}).compile(compiler), '"'),
+        (compile_grammar(compiler, S.json_schema({"type": "string"})), '"'),
     ]:
         matcher = xgr.GrammarMatcher(grammar)
         assert matcher.accept_string(prefix)

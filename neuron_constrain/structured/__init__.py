@@ -1,4 +1,5 @@
-"""Structured outputs and tool calling on a transformed decoder, driven by xgrammar.
+"""Structured outputs and tool calling on a transformed decoder, driven by a grammar engine
+(xgrammar, llguidance, or ``auto``: ``engines/``).
 
     tok = from_mistral(mistral_data_file("tekken_240911.json"))   # or from_huggingface(AutoTokenizer...)
     model = transform_decoder(GreedyStep(m), (ids,), vocab_size=tok.vocab_size,
@@ -10,7 +11,7 @@ Per decode step the host does (``StructuredRuntime``):
 
     step(batch=[r2, r0, r1], drafts={r0: [t1, t2]})
         rows  r2 | r0 r0+t1 r0+t1+t2 | r1           one row per logits row, batch order
-        fill  xgrammar fills each constrained row in place in ONE reusable int32 buffer
+        fill  the engine fills each constrained row in place in ONE reusable int32 buffer
               [max_rows, ceil(V/32)] (drafts: fill, accept draft, fill, ..., roll back);
               unconstrained rows are -1 (rewritten only when a grammar row used them)
         ->    buffer[:rows], a view: the packed mask the graph unpacks (V/8 bytes a row)
@@ -33,7 +34,6 @@ from neuron_constrain.structured.constraints import (
     ebnf,
     json_schema,
     regex,
-    validate_output,
 )
 from neuron_constrain.structured.generate import GenerateResult, Generation, generate, transform_decoder
 from neuron_constrain.structured.errors import (
@@ -57,6 +57,7 @@ from neuron_constrain.structured.tokenizers import (
     mistral_data_file,
 )
 from neuron_constrain.structured.tools import TOOL_FORMATS, ToolCall, parse_tool_calls, tool_constraint
+from neuron_constrain.structured.validation import validate_output
 
 __all__ = [
     "Accepted",

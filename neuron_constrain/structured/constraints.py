@@ -1,5 +1,5 @@
-"""What a request's output must match: JSON schema, any JSON, regex, choice, EBNF;
-and ``validate_output``, the check of a finished answer that does not trust the engine."""
+"""What a request's output must match: JSON schema, any JSON, regex, choice, EBNF. Each engine
+compiles a :class:`Constraint` its own way (``engines/``); ``validation.py`` checks an answer."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +8,9 @@ import json
 import re
 from typing import Any, Sequence
 
-import xgrammar as xgr
-
 
 class ConstraintError(ValueError):
-    """A constraint is malformed or xgrammar cannot compile it (a one-line message)."""
+    """A constraint is malformed, or an engine refuses or cannot compile it (a one-line message)."""
 
 
 # xgrammar's C++ errors read "[07:18:18] /project/cpp/regex_converter.cc:83: Regex parsing error ...\n".
@@ -26,13 +24,6 @@ def engine_message(error: BaseException) -> str:
 
 
 WHITESPACE = ("none", "compact", "bounded", "any")
-
-
-# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this
-# class, which admits raw control characters (invalid JSON: "\x06" inside a string).
-# We compile with JSON's own string-character class instead.
-LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
-JSON_STRING_CLASS = r'[^\0-\x1f\"\\]'
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,43 +48,6 @@ class Constraint:
         spec = json.dumps(self.spec, sort_keys=True, ensure_ascii=False) if self.kind != "regex" else self.spec
         return (self.kind, spec, self.whitespace, self.strict, self.max_whitespace, self.unenforced)
 
-    def compile(self, compiler: xgr.GrammarCompiler) -> xgr.CompiledGrammar:
-        try:
-            if self.kind == "json_schema":
-                return compiler.compile_grammar(self.schema_grammar())
-            if self.kind == "json":
-                return compiler.compile_builtin_json_grammar()
-            if self.kind == "regex":
-                return compiler.compile_regex(self.spec)
-            if self.kind in ("choice", "ebnf"):
-                return compiler.compile_grammar(self.grammar_text())
-            if self.kind == "structural_tag":
-                return compiler.compile_structural_tag(self.spec)
-        except ConstraintError:
-            raise
-        except Exception as error:  # xgrammar raises RuntimeError/ValueError with its parser's message
-            raise ConstraintError(
-                f"xgrammar could not compile this {self.kind} constraint ({engine_message(error)}); "
-                "fix the schema/pattern/grammar (xgrammar's dialect) and resubmit the request"
-            ) from error
-        raise ConstraintError(f"unknown constraint kind {self.kind!r}")
-
-    def schema_grammar(self) -> xgr.Grammar:
-        """The xgrammar grammar of a ``json_schema`` constraint, JSON string characters fixed."""
-        try:
-            grammar = xgr.Grammar.from_json_schema(self.spec, strict_mode=self.strict, **_whitespace_options(self))
-        except Exception as error:
-            raise ConstraintError(
-                f"xgrammar could not convert this JSON schema ({engine_message(error)}); fix the schema"
-                + (" or pass strict=False" if self.strict else "")
-            ) from error
-        text = fixed = str(grammar)
-        if LENGTH_STRING_CLASS in fixed:
-            fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
-        if self.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
-            fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
-        return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
-
     def grammar_text(self) -> str:
         if self.kind == "choice":
             return "root ::= " + " | ".join(_ebnf_literal(option) for option in self.spec)
@@ -104,16 +58,6 @@ class Constraint:
             return "any JSON"
         text = json.dumps(self.spec) if self.kind in ("json_schema", "choice", "structural_tag") else self.spec
         return f"{self.kind} {text[:60]}{'...' if len(text) > 60 else ''}"
-
-
-def _whitespace_options(constraint: Constraint) -> dict:
-    if constraint.whitespace == "none":
-        return {"any_whitespace": False, "separators": (",", ":")}
-    if constraint.whitespace == "compact":
-        return {"any_whitespace": False, "separators": (", ", ": ")}
-    if constraint.whitespace == "bounded":
-        return {"any_whitespace": True, "max_whitespace_cnt": constraint.max_whitespace}
-    return {"any_whitespace": True}
 
 
 def _ebnf_literal(text: str) -> str:
@@ -194,34 +138,3 @@ def ebnf(grammar: str) -> Constraint:
     if not isinstance(grammar, str) or "root" not in grammar:
         raise ConstraintError("an EBNF constraint needs grammar text with a `root ::= ...` rule")
     return Constraint("ebnf", grammar)
-
-
-def validate_output(constraint: Constraint, text: str) -> str | None:
-    """``None`` if ``text`` satisfies ``constraint``, else why not (checked without xgrammar
-    for JSON (``jsonschema``, with the schema's declared ``$schema`` draft, default
-    2020-12), regex (``re``), choice and tool calls (parsed, arguments validated); EBNF by
-    a fresh xgrammar matcher)."""
-    if constraint.validate is not None:
-        return constraint.validate(text)
-    if constraint.kind in ("json_schema", "json"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as error:
-            return f"not JSON: {error}"
-        if constraint.kind == "json":
-            return None if isinstance(value, (dict, list)) else f"JSON {type(value).__name__}, not an object or array"
-        import jsonschema  # the `test` extra
-
-        # The draft the schema declares ($schema): draft-04's boolean exclusiveMinimum, draft-07's
-        # tuple `items` and draft-04's `dependencies` mean other things in 2020-12.
-        validator = jsonschema.validators.validator_for(constraint.spec, default=jsonschema.Draft202012Validator)
-        errors = sorted(validator(constraint.spec).iter_errors(value), key=str)
-        return None if not errors else f"schema violation: {errors[0].message}"
-    if constraint.kind == "regex":
-        return None if re.fullmatch(constraint.spec, text) else f"does not match /{constraint.spec}/"
-    if constraint.kind == "choice":
-        return None if text in constraint.spec else f"not one of {list(constraint.spec)}"
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([b"x"]), max_threads=1)  # accept_string needs no vocabulary
-    matcher = xgr.GrammarMatcher(compiler.compile_grammar(constraint.spec))
-    ok = matcher.accept_string(text) and matcher.is_completed()
-    return None if ok else "does not match the grammar"

@@ -3,7 +3,7 @@ tokenizers users have, and an audit of a grammar-engine tokenizer info a user bu
 
     tok = from_huggingface(AutoTokenizer.from_pretrained(path))   # fast or slow; BPE or sentencepiece
     tok = from_mistral(MistralTokenizer.from_file("tekken.json")) # or a path: Tekken json, sentencepiece .model
-    tok.info            xgrammar TokenizerInfo: every control token never text (a b"\\xff<name>" piece)
+    tok.info            a RawVocabulary (the VocabularyInfo every engine reads): control tokens never text (b"\\xff<name>")
     tok.encode(text)    the tokenizer's own encoding of plain text (no BOS/EOS)
     tok.decode(ids)     the text of generated ids, control tokens dropped (what the grammar saw)
     tok.eos_id, tok.stop_token_ids, tok.special_ids, tok.vocab_size, tok.control_token("[TOOL_CALLS]")
@@ -11,7 +11,8 @@ tokenizers users have, and an audit of a grammar-engine tokenizer info a user bu
 
 The protocol is duck-typed: ``generate`` needs ``info``, ``encode``, ``decode`` and
 ``eos_id`` (``neuron_constrain.testing.Vocabulary`` has them too); the runtime needs
-``info``. Why control tokens must be special: ``xgrammar.TokenizerInfo.from_huggingface``
+``info``, which each engine converts to its own form (``engines/``). Why control tokens must be
+special: ``xgrammar.TokenizerInfo.from_huggingface``
 on Mistral's Tekken and sentencepiece v3 tokenizers marks none of their 1000 / 750
 control tokens special, so ``<s>`` or ``[INST]`` is allowed inside a JSON string, the
 grammar validates it as text, and the tokenizer's decode drops it: the text returned
@@ -28,11 +29,12 @@ grammar matched (what an incremental detokenizer shows).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
-import xgrammar as xgr
+from neuron_constrain.structured.engines.xgrammar_grammars import huggingface_pieces
 
 
 CONTROL_MARK = b"\xff"  # never in UTF-8: a piece holding it is never grammar text
@@ -43,21 +45,6 @@ def never_text(piece: bytes) -> bool:
     return piece == b"" or CONTROL_MARK in piece
 
 
-_ANCHOR = "\n"
-
-
-def encode_continuation(encode: Callable[[str], list[int]], text: str | bytes) -> list[int]:
-    """Tokens of ``text`` as it continues a sequence (what a grammar forces, tokenized
-    canonically). A sentencepiece encoder adds a dummy-prefix space at the start of an
-    encode, so the text is encoded after an anchor (``"\\n"``) whose own tokens are dropped."""
-    text = text if isinstance(text, str) else text.decode("utf-8", "replace")
-    anchor = list(encode(_ANCHOR))
-    ids = list(encode(_ANCHOR + text))
-    if ids[: len(anchor)] == anchor:
-        return ids[len(anchor):]
-    return list(encode(text))  # the anchor merged with the text: no better split is known
-
-
 class TokenizerInfoError(ValueError):
     """A grammar-engine tokenizer info disagrees with its tokenizer or model."""
 
@@ -66,13 +53,31 @@ class TokenizerInfoError(ValueError):
 class VocabularyInfo(Protocol):
     """The vocabulary as the grammar engines read it, whichever engine: each token's bytes
     (control tokens never text), the model's vocabulary size, the stop and special tokens.
-    ``Tokenizer.info`` is one (built as xgrammar's ``TokenizerInfo``, which has exactly these);
-    a user-built ``xgrammar.TokenizerInfo`` is one too."""
+    ``Tokenizer.info`` is one (a :class:`RawVocabulary`); a user-built ``xgrammar.TokenizerInfo``
+    is one too."""
 
     vocab_size: int
     stop_token_ids: Sequence[int]
     special_token_ids: Sequence[int]
     decoded_vocab: Sequence[bytes]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RawVocabulary:
+    """A :class:`VocabularyInfo` from each token's raw bytes: special tokens are the empty pieces
+    and the ids past the pieces (the lm_head's padding columns), as an engine reading raw bytes
+    takes them. Build with :meth:`from_pieces`."""
+
+    decoded_vocab: tuple[bytes, ...]
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    special_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_pieces(cls, pieces: Sequence[bytes], *, vocab_size: int, stop_token_ids: Sequence[int]) -> "RawVocabulary":
+        pieces = tuple(bytes(p) for p in pieces)
+        special = [i for i, piece in enumerate(pieces) if piece == b""] + list(range(len(pieces), vocab_size))
+        return cls(pieces, int(vocab_size), tuple(int(i) for i in stop_token_ids), tuple(special))
 
 
 @runtime_checkable
@@ -125,15 +130,13 @@ class Tokenizer:
         self._anchor = None  # (id, text): a plain token decoded in front of generated ids
 
     @functools.cached_property
-    def info(self) -> VocabularyInfo:
-        """xgrammar's info from the raw pieces; control tokens are ``b"\\xff" + name``: never text."""
+    def info(self) -> RawVocabulary:
+        """The vocabulary the engines read, from the raw pieces; control tokens are ``b"\\xff" + name``: never text."""
         pieces = [
             CONTROL_MARK + self.names[i].encode("utf-8", "replace") if i in self.special_ids else piece
             for i, piece in enumerate(self.pieces)
         ]
-        return xgr.TokenizerInfo(
-            pieces, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
-        )
+        return RawVocabulary.from_pieces(pieces, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
@@ -169,7 +172,7 @@ def from_huggingface(
     """
     size = len(tokenizer)
     # xgrammar's decoding of each piece (byte-level, byte fallback, raw) is right for text tokens.
-    pieces = list(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size).decoded_vocab)[:size]
+    pieces = huggingface_pieces(tokenizer, size)
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     special.update(i for i in tokenizer.all_special_ids if i is not None)
     # Decoded after an anchor token: alone, a sentencepiece "▁" decodes to "" (its space stripped).
@@ -308,9 +311,10 @@ class _InfoOnly:
 
 
 def with_info(tokenizer, tokenizer_info: VocabularyInfo | None = None):
-    """``tokenizer`` as the runtime reads it (``.info``): a bare ``TokenizerInfo`` as is, or a
+    """``tokenizer`` as the runtime reads it (``.info``): a bare info (``RawVocabulary``, ``TokenizerInfo``), or a
     tokenizer with a user-built info, audited against it first."""
-    if not hasattr(tokenizer, "info") and all(hasattr(type(tokenizer), a) for a in VocabularyInfo.__annotations__):
+    if not hasattr(tokenizer, "info") and (isinstance(tokenizer, RawVocabulary) or
+                                           all(hasattr(type(tokenizer), a) for a in VocabularyInfo.__annotations__)):
         tokenizer = _InfoOnly(tokenizer)  # a bare info (read from its class: xgrammar's properties build lists)
     if tokenizer_info is None:
         return tokenizer

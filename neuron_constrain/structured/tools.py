@@ -21,16 +21,8 @@ import json
 import re
 from typing import Mapping, Sequence
 
-import xgrammar as xgr
-
-from neuron_constrain.structured.constraints import (
-    JSON_STRING_CLASS,
-    LENGTH_STRING_CLASS,
-    Constraint,
-    ConstraintError,
-    engine_message,
-    json_schema,
-)
+from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message, json_schema
+from neuron_constrain.structured.engines.xgrammar_grammars import structural_tag_text
 
 TOOL_FORMATS = ("json", "mistral", "hermes", "llama3")
 _MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
@@ -124,10 +116,9 @@ def _structural_constraint(format: str, functions: dict, only: str | None, token
                            one_call: bool) -> Constraint:
     tag = {"type": "structural_tag", "format": _structural(format, functions, only, tokenizer, one_call)}
     try:
-        text = str(xgr.Grammar.from_structural_tag(tag))
+        text = structural_tag_text(tag)  # JSON string characters, as json_schema does
     except Exception as error:
         raise ConstraintError(f"xgrammar could not build the {format} tool-call grammar ({engine_message(error)})") from error
-    text = text.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)  # JSON string characters, as json_schema does
     return Constraint(
         "ebnf", text, "bounded",
         validate=lambda answer: _check_calls(answer, functions, tool_choice, format, one_call),

@@ -6,7 +6,7 @@ wrappers an on-device sampler would compile, and a toy vocabulary.
     step = GreedyStep(model)                 # input_ids -> argmax of last logits
     step = SamplingStep(model, top_k=20)     # input_ids, noise -> token (top-k/top-p race)
     step = VocabShardedGreedyStep(model, rank, world_size)  # one rank's (max, index) of its vocab shard
-    vocab = toy_tokenizer()                  # a byte-level test Vocabulary (xgrammar TokenizerInfo + encode)
+    vocab = toy_tokenizer()                  # a byte-level test Vocabulary (a RawVocabulary info + encode)
 
 ``decoders.py``: tiny decoders and full-sequence steps; ``steps.py``: KV-cached, NxD-style and
 vocab-parallel decode steps; ``vocabulary.py``: the toy vocabulary, teacher forcing, a tool;

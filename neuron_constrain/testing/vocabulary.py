@@ -1,4 +1,4 @@
-"""A byte-level toy vocabulary (xgrammar ``TokenizerInfo`` + encode/decode), teacher forcing
+"""A byte-level toy vocabulary (a ``RawVocabulary`` + encode/decode), teacher forcing
 through a grammar engine, and a tool to call.
 
     vocab = toy_tokenizer()                  # all 256 bytes, JSON pieces, words, then the stop token
@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import xgrammar as xgr
+
+from neuron_constrain.structured.tokenizers import RawVocabulary
 
 
 _JSON_PIECES = (
@@ -29,11 +30,11 @@ _WORDS = (
 
 
 class Vocabulary:
-    """A byte-level vocabulary: xgrammar's ``TokenizerInfo`` plus greedy longest-match encoding.
+    """A byte-level vocabulary: its ``info`` (a ``RawVocabulary``) plus greedy longest-match encoding.
 
-    ``pieces[i]`` is the bytes of token ``i``; the stop token is ``b""`` (xgrammar
-    reads an empty piece as special, so it never matches text). A real tokenizer's
-    ``TokenizerInfo.from_huggingface`` plugs into :class:`StructuredRuntime` the same way.
+    ``pieces[i]`` is the bytes of token ``i``; the stop token is ``b""`` (an empty piece
+    is special, so it never matches text). A real tokenizer's ``from_huggingface(...).info``,
+    or a user-built ``xgrammar.TokenizerInfo``, plugs into :class:`StructuredRuntime` the same way.
     """
 
     def __init__(self, pieces: Sequence[bytes], *, eos_id: int):
@@ -49,9 +50,7 @@ class Vocabulary:
             if piece:
                 self._ids[piece] = i
         self._longest = max(len(p) for p in self.pieces)
-        self.info = xgr.TokenizerInfo(
-            self.pieces, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=[eos_id]
-        )
+        self.info = RawVocabulary.from_pieces(self.pieces, vocab_size=self.vocab_size, stop_token_ids=[eos_id])
 
     def encode(self, text: str | bytes) -> list[int]:
         data = text.encode() if isinstance(text, str) else text

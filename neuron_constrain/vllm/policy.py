@@ -14,7 +14,7 @@ the model's vocabulary and reaches the same verdict (same code, same keyword tab
 
 What the structured package could take over: ``admit`` is "which engine would ``auto``
 choose for this constraint, or why none" without a tokenizer; ``structural_tag`` is here
-because ``Constraint.compile`` passes a structural tag to xgrammar as is (its JSON
+because ``xgrammar_grammars.compile_grammar`` passes a structural tag to xgrammar as is (its JSON
 schemas' bounded strings keep xgrammar's string class, which admits raw control
 characters) and has no keyword policy for the schemas inside it.
 """
@@ -27,7 +27,7 @@ import threading
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, validate_output
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured import keywords
-from neuron_constrain.structured.engines.xgrammar_engine import lark_to_ebnf, structural_tag_ebnf
+from neuron_constrain.structured.engines.xgrammar_grammars import lark_to_ebnf, structural_tag_ebnf
 
 # vLLM's StructuredOutputOptions names (vllm/v1/structured_output/backend_types.py), lower case
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

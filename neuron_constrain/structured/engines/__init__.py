@@ -9,6 +9,7 @@
 | --- | --- |
 | ``base.py`` | the contract (``GrammarEngine``, ``GrammarMatcher``, ``Compiled``) and the row checks |
 | ``xgrammar_engine.py`` | xgrammar; its batch fill on ``fill_threads.py``'s threads when asked for more than one |
+| ``xgrammar_grammars.py`` | every grammar xgrammar builds (a constraint's, tool calls', vLLM's kinds, EBNF checks) and its vocabulary |
 | ``llguidance_engine.py`` | llguidance, its matcher adapted to the contract; ``llguidance_tokenizer.py``, ``ebnf_to_lark.py`` |
 | ``auto_engine.py`` | xgrammar where it enforces the whole constraint, llguidance for the rest |
 

@@ -23,8 +23,8 @@ What an engine promises (``tests/test_engines.py`` runs one contract test agains
   ``is_terminated()`` is true once a stop token was accepted; ``rollback(n)`` undoes the
   last ``n`` accepted tokens, a stop token included.
 * **Forced text.** ``forced_tokens(matcher)``: the canonical tokens of the text the grammar
-  forces from here (the engine's jump-forward string / fast-forward tokens), each accepted
-  in turn; the state is left as it was.
+  forces from here (the engine's jump-forward string / fast-forward tokens, tokenized by
+  :func:`encode_continuation`), each accepted in turn; the state is left as it was.
 * **Batch calls.** ``batch_fill`` fills every row it can and returns the rows that failed
   as ``(index into matchers, error)``; one matcher's failure never leaves another's row
   unfilled. ``batch_accept`` is ``accept_token`` per matcher.
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
 
@@ -150,6 +150,21 @@ class GrammarEngine(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+_ANCHOR = "\n"
+
+
+def encode_continuation(encode: Callable[[str], list[int]], text: str | bytes) -> list[int]:
+    """Tokens of ``text`` as it continues a sequence (what a grammar forces, tokenized
+    canonically). A sentencepiece encoder adds a dummy-prefix space at the start of an
+    encode, so the text is encoded after an anchor (``"\\n"``) whose own tokens are dropped."""
+    text = text if isinstance(text, str) else text.decode("utf-8", "replace")
+    anchor = list(encode(_ANCHOR))
+    ids = list(encode(_ANCHOR + text))
+    if ids[: len(anchor)] == anchor:
+        return ids[len(anchor):]
+    return list(encode(text))  # the anchor merged with the text: no better split is known
 
 
 def fill_each(matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 
-from neuron_constrain.structured.tokenizers import encode_continuation
+from neuron_constrain.structured.engines.base import encode_continuation
 
 
 def import_llguidance():

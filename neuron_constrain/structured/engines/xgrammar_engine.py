@@ -1,7 +1,7 @@
 """xgrammar behind the engine contract: its own ``GrammarMatcher`` is the matcher.
 
     engine = XGrammarEngine(tokenizer, fill_threads=1)
-    compiled = engine.compile(json_schema(schema))     # Constraint.compile on one GrammarCompiler
+    compiled = engine.compile(json_schema(schema))     # the keyword policy, then xgrammar_grammars.compile_grammar
     engine.batch_fill(matchers, buffer, rows)          # one BatchGrammarMatcher call (1 thread),
                                                        # or RowFillers (fill_threads > 1)
 
@@ -19,16 +19,9 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain.structured import keywords as K
-from neuron_constrain.structured.constraints import (
-    JSON_STRING_CLASS,
-    LENGTH_STRING_CLASS,
-    Constraint,
-    ConstraintError,
-    engine_message,
-)
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, fill_each
+from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, encode_continuation, fill_each
 from neuron_constrain.structured.engines.fill_threads import RowFillers
-from neuron_constrain.structured.tokenizers import encode_continuation
+from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, parse_constraint, xgrammar_info
 
 _ACCEPT = xgr.GrammarMatcher.accept_token
 
@@ -168,13 +161,13 @@ ENFORCES = K.register(K.Allowlist(
 
 
 class XGrammarEngine(GrammarEngine):
-    """xgrammar: the compiled grammar of ``Constraint.compile``; its matcher is xgrammar's own."""
+    """xgrammar: the grammars of ``xgrammar_grammars.py`` on one compiler; its matcher is xgrammar's own."""
 
     name = "xgrammar"
 
     def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
         super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(xgrammar_info(self.info), max_threads=1)
         self.fillers = RowFillers(fill_threads, fill_timeout) if fill_threads > 1 else None
         # One thread: one call for all rows, so the GIL is released once, not once per row, while a
         # pipelined step traces the body on another thread (as fast as per-row calls when alone).
@@ -190,7 +183,7 @@ class XGrammarEngine(GrammarEngine):
 
     def compile(self, constraint) -> Compiled:
         prepared, unenforced = self.keyword_policy(constraint)
-        return Compiled(self.name, constraint, prepared.compile(self.compiler), unenforced)
+        return Compiled(self.name, constraint, compile_grammar(self.compiler, prepared), unenforced)
 
     def parse(self, constraint) -> None:
         parse_constraint(constraint)
@@ -232,46 +225,3 @@ class XGrammarEngine(GrammarEngine):
         # Row by row: xgrammar's batch_accept_token took 1.3x as long at batch 32.
         return list(map(_ACCEPT, matchers, tokens))
 
-
-def parse_constraint(constraint: Constraint) -> None:
-    """Raise :class:`ConstraintError` now if a regex / choice / EBNF is malformed: xgrammar's
-    parser needs no vocabulary and takes microseconds; the token-mask compilation is what is slow."""
-    try:
-        if constraint.kind == "regex":
-            xgr.Grammar.from_regex(constraint.spec)
-        elif constraint.kind in ("choice", "ebnf"):
-            xgr.Grammar.from_ebnf(constraint.grammar_text())
-    except Exception as error:
-        raise ConstraintError(
-            f"xgrammar could not compile this {constraint.kind} constraint ({engine_message(error)}); "
-            "fix the schema/pattern/grammar (xgrammar's dialect) and resubmit the request"
-        ) from error
-
-
-def lark_to_ebnf(grammar: str) -> str:
-    """A Lark grammar in xgrammar's EBNF (vLLM takes Lark too)."""
-    try:
-        return str(xgr.Grammar.from_lark(grammar))
-    except Exception as error:  # noqa: BLE001 - xgrammar's parser message
-        raise ConstraintError(f"the Lark grammar could not be read ({' '.join(str(error).split())[:300]})") from error
-
-
-def structural_tag_ebnf(data, spec) -> str:
-    """A structural tag (``data``: parsed; ``spec``: as given) as xgrammar EBNF, bounded strings
-    given JSON's string class (as ``json_schema`` constraints get)."""
-    try:
-        if isinstance(data, dict) and "structures" in data:  # vLLM's legacy format (begin / schema / end)
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in data["structures"]]
-            grammar = xgr.Grammar.from_structural_tag(items, data["triggers"])
-        else:
-            grammar = xgr.Grammar.from_structural_tag(spec if isinstance(spec, str) else json.dumps(spec))
-    except Exception as error:  # noqa: BLE001 - xgrammar's message
-        raise ConstraintError(f"xgrammar could not read this structural tag ({' '.join(str(error).split())[:300]})") \
-            from error
-    text = str(grammar).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
-    try:
-        xgr.Grammar.from_ebnf(text)
-    except Exception as error:  # noqa: BLE001
-        raise ConstraintError(f"the structural tag's grammar does not round-trip through EBNF ({error})") from error
-    return text
