@@ -251,6 +251,40 @@ def speed(loaded, decoders, tasks, tools, prompts, max_tokens) -> dict:
     return report
 
 
+def memory_bandwidth(megabytes: int = 512, repeats: int = 8) -> float:
+    """This machine's memory bandwidth, bytes/s: the best of ``repeats`` copies of a
+    ``megabytes`` tensor (far over any cache), counting the bytes read and written."""
+    source = torch.rand(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best
+
+
+def weight_bytes(model) -> int:
+    """The bytes of weights one decode step reads: every parameter once (tied ones once)."""
+    unique = {p.data_ptr(): p for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in unique.values())
+
+
+def physical_limit(model, speed_report: dict) -> dict:
+    """Batch-1 decode reads every weight once a token: the bound is bandwidth / weight bytes."""
+    bandwidth = memory_bandwidth()
+    size = weight_bytes(model)
+    bound = bandwidth / size
+    line = {"weight_bytes": size, "bandwidth_bytes_per_second": bandwidth, "bound_tokens_per_second": bound}
+    if "1" in speed_report:
+        line["ours_fraction_of_bound"] = speed_report["1"]["ours"]["tokens_per_second"] / bound
+        line["hf_fraction_of_bound"] = speed_report["1"]["hf"]["tokens_per_second"] / bound
+    print(f"  physical limit: {size / 1e6:.0f} MB of weights a step / {bandwidth / 1e9:.1f} GB/s (copy) = "
+          f"{bound:.1f} tokens/s at batch 1; ours {line.get('ours_fraction_of_bound', 0):.2f} of it, "
+          f"HF {line.get('hf_fraction_of_bound', 0):.2f}", flush=True)
+    return line
+
+
 def plot(summary: dict, path: str) -> None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -287,32 +321,40 @@ def main(argv=None) -> int:
     parser.add_argument("--speed-tasks", type=int, default=16, help="tasks in the tokens/s comparison (0: skip it)")
     parser.add_argument("--modes", default="all", help="'all', or a comma list such as none,xgrammar:bounded")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--compile", default="inductor", choices=("inductor", "none"),
+                        help="our programs as AOTInductor packages (default; compiled once, then cached) or eager")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="our model's weights (HF's stay float32: the identity column is then agreement)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    compile_with = None if args.compile == "none" else args.compile
     data = json.loads(pathlib.Path(args.tasks).read_text())
     tasks, tools = data["tasks"][: args.limit], data["tools"]
     if args.sample:
         tasks = tasks[:: max(1, len(tasks) // args.sample)][: args.sample]
     loaded = M.load_model(args.model)
+    ours = loaded if args.dtype == "float32" else M.load_model(args.model, dtype=getattr(torch, args.dtype))
     prompts = [M.prompt_ids(loaded, prompt_text(t), tools=tools if t["kind"] == "tool" else None) for t in tasks]
     start = time.perf_counter()
-    decoder = M.export(loaded, max_batch=args.batch, max_len=1024)
-    print(f"{args.model}: {len(tasks)} tasks, decoder (batch {args.batch}) exported in {time.perf_counter() - start:.1f} s; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    decoder = M.export(ours, max_batch=args.batch, max_len=1024, compile=compile_with)
+    print(f"{args.model}: {len(tasks)} tasks, decoder (batch {args.batch}, {args.dtype}, compile {args.compile}) exported "
+          f"in {time.perf_counter() - start:.1f} s; torch threads {torch.get_num_threads()}", flush=True)
     modes = [(None, None)] + [(e, w) for e in ENGINES for w in WHITESPACE]
     if args.modes != "all":
         wanted = {m.strip() for m in args.modes.split(",")}
         modes = [m for m in modes if (m[0] is None and "none" in wanted) or f"{m[0]}:{m[1]}" in wanted]
     report = {"model": args.model, "tasks": len(tasks), "max_tokens": args.max_tokens, "batch": args.batch,
-              "threads": torch.get_num_threads(), "default_whitespace": S.json_schema({}).whitespace}
+              "threads": torch.get_num_threads(), "default_whitespace": S.json_schema({}).whitespace,
+              "compile": args.compile, "dtype": args.dtype}
     if args.speed_tasks:  # first: the one number that needs both batch sizes
         start = time.perf_counter()
-        decoders = {1: M.export(loaded, max_batch=1, max_len=1024), 8: decoder if args.batch == 8 else
-                    M.export(loaded, max_batch=8, max_len=1024)}
+        decoders = {1: M.export(ours, max_batch=1, max_len=1024, compile=compile_with), 8: decoder if args.batch == 8
+                    else M.export(ours, max_batch=8, max_len=1024, compile=compile_with)}
         print(f"speed: batch-1 decoder exported in {time.perf_counter() - start:.1f} s", flush=True)
         n = args.speed_tasks
         report["speed"] = speed(loaded, decoders, tasks[:n], tools, prompts[:n], args.max_tokens)
+        report["physical_limit"] = physical_limit(ours.model, report["speed"])
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     runtimes = {e: S.StructuredRuntime.for_model(decoder, loaded.tokenizer, max_rows=args.batch, engine=e) for e in ENGINES}

@@ -19,24 +19,13 @@ import pytest
 import torch
 
 from conftest import require_torch_xla
+from test_generate_cached import PADDED, REQUESTS  # every constraint kind, and free text: 7 requests
 
 from neuron_constrain import structured as S
 from neuron_constrain.decoding import compile_decoder, export_decoder
-from neuron_constrain.testing import tiny_decoder, toy_tokenizer, weather_tool
+from neuron_constrain.testing import tiny_decoder, toy_tokenizer
 
 VOCAB = toy_tokenizer()
-PADDED = 32 * -(-VOCAB.vocab_size // 32) + 32
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
-REQUESTS = [  # every constraint kind, and free text: 7 requests over 3 cache rows
-    ("Describe a user:", S.json_schema(SCHEMA)),
-    ("Email:", S.regex(r"[a-z]{3,8}@[a-z]{3,6}\.(com|org)")),
-    ("Pick one:", S.choice(["yes", "no", "maybe"])),
-    ("free text", None),
-    ("weather?", S.tool_constraint([weather_tool()], "required")),
-    ("a", S.ebnf('root ::= "[" [0-9]+ ("," [0-9]+)* "]"')),
-    ("json please", S.any_json()),
-]
 MAX_NEW = 20
 pytestmark = pytest.mark.one_lane
 
@@ -114,6 +103,19 @@ def test_packages_compile_once(decoders, packages, monkeypatch):
     got, _ = _tokens(again, jump_forward="exact")
     assert got == _tokens(eager, jump_forward="exact")[0]
     assert dict(torch._dynamo.utils.counters["inductor"]) == before
+
+
+def test_frozen_weights_at_batch_one(packages):
+    """A decoder of one row (a static batch) freezes its weights into the packages (oneDNN-prepacked
+    linears): the same tokens as eager, each constraint kind one request at a time."""
+    model = tiny_decoder("llama", vocab_size=PADDED)
+    eager = export_decoder(model, max_batch=1, max_len=64, vocab_size=VOCAB.vocab_size, pad_id=VOCAB.eos_id)
+    compiled = compile_decoder(eager, "inductor", cache_dir=packages)
+    prompts, constraints = zip(*REQUESTS[:4])
+    expected = S.generate(eager, list(prompts), list(constraints), 16, tokenizer=VOCAB)
+    got = S.generate(compiled, list(prompts), list(constraints), 16, tokenizer=VOCAB)
+    assert [o.tokens for o in got.outputs] == [o.tokens for o in expected.outputs]
+    assert got.outputs[2].finish_reason == "stop" and got.outputs[2].text in ("yes", "no", "maybe")
 
 
 PLAIN = textwrap.dedent("""

@@ -136,3 +136,20 @@ def _hf_xgrammar(loaded, ids: list[int], constraint, max_new: int) -> list[int]:
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
                                     logits_processor=[LogitsProcessor(grammar)])
     return out[0, len(ids):].tolist()
+
+
+@pytest.mark.one_lane  # compiles SmolLM2's two packages (minutes); the tiny decoders cover the rest (test_compiled.py)
+def test_compiled_decoder_token_identical_to_eager(smollm2, decoder):
+    """AOTInductor packages of the same programs (the cache shared with them): every constrained
+    and free answer token for token the eager decoder's, in one batch of 4 rows."""
+    from neuron_constrain.decoding import compile_decoder
+
+    compiled = compile_decoder(decoder, "inductor", cache_dir=M.build_root() / "packages")
+    prompts = [M.prompt_ids(smollm2, q, tools=tools) for q, _, tools in CONSTRAINED] + [M.prompt_ids(smollm2, QUESTIONS[0])]
+    constraints = [c for _, c, _ in CONSTRAINED] + [None]
+    expected = S.generate(decoder, prompts, constraints, 64, tokenizer=smollm2.tokenizer, engine="xgrammar")
+    got = S.generate(compiled, prompts, constraints, 64, tokenizer=smollm2.tokenizer, engine="xgrammar")
+    assert [o.tokens for o in got.outputs] == [o.tokens for o in expected.outputs]
+    assert "Paris" in got.outputs[-1].text
+    for constraint, out in zip(constraints[:-1], got.outputs):
+        assert out.finish_reason == "stop" and S.validate_output(constraint, out.text) is None, out.text

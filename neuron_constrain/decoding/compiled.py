@@ -8,10 +8,12 @@
 (``torch._inductor.aoti_compile_and_package``) compiled once for all its dynamic shapes
 (batch, prefill length, attention window): no shape compiles again, and a later export of
 the same graph and weights loads its package from the cache folder (keyed by the graph,
-its signature, a digest of the weights, the torch version). The weights are frozen into
-the package (Inductor's ``freezing``: each linear layer's weight prepacked for oneDNN,
-which on this CPU multiplies a batch of 8 rows in half MKL's time, and one row faster
-too); the KV cache is not: it is loaded into every package as a *user-managed constant*,
+its signature, a digest of the weights, the torch version, the torch threads). The weights
+are in the package; where the batch is static (``max_batch=1``) they are frozen in
+(Inductor's ``freezing``: each linear layer's weight prepacked for oneDNN, a third faster
+than MKL's fp32 GEMM a SmolLM2 step on this CPU); with a dynamic batch Inductor would write
+the GEMMs as loops of its own, slower than MKL, so they stay MKL calls. The KV cache is
+not in the package: it is loaded into every package as a *user-managed constant*,
 the very tensors the eager programs hold, so all of them read and write the one cache
 (``keep_rows`` moves its rows for all) and the eager programs stay the reference,
 runnable side by side. A package runs in plain torch, without this library::
@@ -89,8 +91,9 @@ def weights_digest(program, cache: list[torch.Tensor]) -> str:
 
 def _graph_key(program, weights: str) -> str:
     """What an AOTInductor package depends on: the graph, its signature and shape ranges,
-    the weights, the torch version."""
-    text = "\n".join([weights,
+    the weights, the torch version, and the threads its kernels were generated for (Inductor
+    writes ``torch.get_num_threads()`` into each parallel loop)."""
+    text = "\n".join([weights, f"threads={torch.get_num_threads()}",
         torch.__version__,
         program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True),
         str(program.graph_signature),
@@ -104,11 +107,11 @@ def _constants(program) -> dict[str, torch.Tensor]:
     return {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
 
 
-def _package(program, weights: str, folder: pathlib.Path, log) -> tuple[pathlib.Path, bool]:
+def _package(program, weights: str, folder: pathlib.Path, log, freeze: bool) -> tuple[pathlib.Path, bool]:
     """The program's package in ``folder``, compiled first if it is not there: (path, compiled now)."""
     from torch._inductor import aoti_compile_and_package
 
-    path = folder / f"{_graph_key(program, weights)}.pt2"
+    path = folder / f"{_graph_key(program, weights + f'freeze={freeze}')}.pt2"
     if path.is_file():
         return path, False
     folder.mkdir(parents=True, exist_ok=True)
@@ -116,7 +119,7 @@ def _package(program, weights: str, folder: pathlib.Path, log) -> tuple[pathlib.
     with tempfile.TemporaryDirectory(dir=folder) as scratch:  # written whole, then moved: no torn package
         built = aoti_compile_and_package(
             program, package_path=os.path.join(scratch, "program.pt2"),
-            inductor_configs={"freezing": True},
+            inductor_configs={"freezing": freeze},
         )
         os.replace(built, path)
     log(f"compiled {path.name} in {time.perf_counter() - start:.1f} s")
@@ -151,7 +154,7 @@ def _inductor(decoder, cache_dir, log):
         for tensor in _constants(transformed.program).values():
             if tensor.device.type != "cpu":
                 raise ValueError(f"{name}: AOTInductor here compiles for the CPU, but a weight is on {tensor.device}")
-        path, now = _package(transformed.program, weights, folder, log)
+        path, now = _package(transformed.program, weights, folder, log, freeze=decoder.max_batch == 1)
         built += now
         packages[name] = path
     compiled = {name: _running(programs[name], _Runner(_load(path, programs[name].program, decoder.cache)))
