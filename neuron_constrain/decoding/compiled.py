@@ -33,6 +33,7 @@ checking a mask's shape, reading the empty-row flags) is ``Transformed``'s own.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -41,9 +42,25 @@ import time
 
 import torch
 
-__all__ = ["BACKENDS", "compile_decoder", "package_cache_dir"]
+__all__ = ["BACKENDS", "cache_names", "compile_decoder", "package_cache_dir", "share_cache", "weights_digest"]
 
 BACKENDS = ("inductor", "xla")
+
+
+def share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
+    """Make every program read and write the first one's cache tensors: in its state dict
+    (what split halves and ``program.module()`` take) and in its callable module."""
+    first = programs[0].program.state_dict
+    names = sorted((n for n in first if n.startswith(prefix)), key=lambda n: (int(n.rsplit("_", 1)[1]), n))
+    for transformed in programs:
+        state = transformed.program.state_dict
+        for name in names:
+            if tuple(state[name].shape) != tuple(first[name].shape):
+                raise RuntimeError(f"{name}: {tuple(state[name].shape)} in one program, {tuple(first[name].shape)} in another")
+            state[name] = first[name]
+            owner, _, leaf = name.rpartition(".")
+            transformed.graph_module.get_submodule(owner).register_buffer(leaf, first[name])
+    return [first[n] for n in names]
 
 
 def package_cache_dir() -> pathlib.Path:
@@ -126,7 +143,7 @@ def _package(program, weights: str, folder: pathlib.Path, log, freeze: bool) -> 
     return path, True
 
 
-def _cache_names(program, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def cache_names(program, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     ids = {id(t) for t in cache}
     return {name: t for name, t in program.state_dict.items() if id(t) in ids}
 
@@ -135,7 +152,7 @@ def _load(path: pathlib.Path, program, cache: list[torch.Tensor]):
     from torch._inductor import aoti_load_package
 
     compiled = aoti_load_package(str(path))
-    shared = _cache_names(program, cache)
+    shared = cache_names(program, cache)
     missing = sorted(set(shared) - set(compiled.get_constant_fqns()))
     if missing:  # it would write a cache of its own: every step would read stale keys
         raise RuntimeError(f"the package {path} does not take the KV cache as a constant ({missing[:3]}); "
@@ -163,13 +180,12 @@ def _inductor(decoder, cache_dir, log):
 
 
 def _xla(decoder):
-    from neuron_constrain.decoding.decoder import _share_cache
     from neuron_constrain.decoding.xla import to_xla, xla_device
 
     device = xla_device()
     programs = {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
     moved = {name: to_xla(t, device) for name, t in programs.items()}
-    cache = _share_cache(list(moved.values()))
+    cache = share_cache(list(moved.values()))
     return moved, cache, device
 
 
@@ -178,9 +194,7 @@ def compile_decoder(decoder, backend: str = "inductor", *, cache_dir=None, log=N
     (``backend``: ``"inductor"``, AOTInductor packages on the CPU; ``"xla"``, the programs
     on the XLA device). ``decoder`` is left as it was; with ``"inductor"`` both share
     one KV cache (the compiled one is a faster view of the same programs)."""
-    from neuron_constrain.decoding.decoder import CachedDecoder
-
-    if not isinstance(decoder, CachedDecoder):
+    if not (dataclasses.is_dataclass(decoder) and hasattr(decoder, "steps") and hasattr(decoder, "prefill")):
         raise TypeError(f"compile_decoder takes a CachedDecoder (export_decoder's), not {type(decoder).__name__}")
     if decoder.compiled is not None:
         raise ValueError(f"this decoder is already compiled ({decoder.compiled}); compile the eager one")
@@ -195,9 +209,5 @@ def compile_decoder(decoder, backend: str = "inductor", *, cache_dir=None, log=N
     else:
         raise ValueError(f"compile={backend!r}: choose one of {', '.join(BACKENDS)} (or None: run the programs eagerly)")
     steps = {int(name[len("step"):]): program for name, program in programs.items() if name != "prefill"}
-    return CachedDecoder(
-        programs["prefill"], steps, max_batch=decoder.max_batch, max_len=decoder.max_len,
-        export_seconds=decoder.export_seconds, pad_id=decoder.pad_id, length_bucket=decoder.length_bucket,
-        window_bucket=decoder.window_bucket, sampled=decoder.sampled, logits_width=decoder.logits_width,
-        compiled=backend, compile_seconds=time.perf_counter() - start, eager=decoder, **fields,
-    )
+    return dataclasses.replace(decoder, prefill=programs["prefill"], steps=steps, compiled=backend,
+                               compile_seconds=time.perf_counter() - start, eager=decoder, **fields)

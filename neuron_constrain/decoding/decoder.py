@@ -43,6 +43,8 @@ from typing import Sequence
 
 import torch
 
+from neuron_constrain.decoding.compiled import cache_names, compile_decoder, share_cache
+
 __all__ = ["CachedDecoder", "KVCache", "PrefillStep", "CachedStep", "export_decoder"]
 
 
@@ -334,25 +336,7 @@ class CachedDecoder:
     def save_cache(self, path) -> None:
         """Write the KV cache as it is (``torch.save``, named as the ``"inductor"`` packages'
         constants): what a plain-torch user loads into a package to go on from here."""
-        from neuron_constrain.decoding.compiled import _cache_names
-
-        torch.save({k: v.cpu() for k, v in _cache_names(self.prefill.program, self.cache).items()}, path)
-
-
-def _share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
-    """Make every program read and write the first one's cache tensors: in its state dict
-    (what split halves and ``program.module()`` take) and in its callable module."""
-    first = programs[0].program.state_dict
-    names = sorted((n for n in first if n.startswith(prefix)), key=lambda n: (int(n.rsplit("_", 1)[1]), n))
-    for transformed in programs:
-        state = transformed.program.state_dict
-        for name in names:
-            if tuple(state[name].shape) != tuple(first[name].shape):
-                raise RuntimeError(f"{name}: {tuple(state[name].shape)} in one program, {tuple(first[name].shape)} in another")
-            state[name] = first[name]
-            owner, _, leaf = name.rpartition(".")
-            transformed.graph_module.get_submodule(owner).register_buffer(leaf, first[name])
-    return [first[n] for n in names]
+        torch.save({k: v.cpu() for k, v in cache_names(self.prefill.program, self.cache).items()}, path)
 
 
 def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_tokens: int | Sequence[int] = 1,
@@ -409,11 +393,7 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
                 (ids, ids + torch.arange(n), torch.ones(example, min(max(16, n), max_len), dtype=torch.bool), *args),
                 dynamic_shapes=({0: batch}, {0: batch}, {0: batch, 1: window}, *dims), **options,
             )
-    tensors = _share_cache([prefill, *steps.values()])
+    tensors = share_cache([prefill, *steps.values()])
     decoder = CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
                             sampled=sampled, logits_width=width)
-    if compile is None:
-        return decoder
-    from neuron_constrain.decoding.compiled import compile_decoder
-
-    return compile_decoder(decoder, compile, cache_dir=package_dir)
+    return decoder if compile is None else compile_decoder(decoder, compile, cache_dir=package_dir)
