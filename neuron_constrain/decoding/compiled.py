@@ -106,13 +106,26 @@ def weights_digest(program, cache: list[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _graph_text(module: torch.fx.GraphModule) -> str:
+    """Every node (nested graphs too) with its value's type and shape, and no source
+    locations: editing the file a model's ``forward`` lives in changes no key."""
+    lines = []
+    for sub in module.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in sub.graph.nodes:
+                value = node.meta.get("val")
+                shape = (f"{value.dtype}{tuple(value.shape)}{value.stride()}{value.device}"
+                         if isinstance(value, torch.Tensor) else repr(value))
+                lines.append(f"{node.format_node()} :: {shape}")
+    return "\n".join(lines)
+
+
 def _graph_key(program, weights: str) -> str:
     """What an AOTInductor package depends on: the graph, its signature and shape ranges,
     the weights, the torch version, and the threads its kernels were generated for (Inductor
     writes ``torch.get_num_threads()`` into each parallel loop)."""
-    text = "\n".join([weights, f"threads={torch.get_num_threads()}",
-        torch.__version__,
-        program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True),
+    text = "\n".join([
+        weights, f"threads={torch.get_num_threads()}", torch.__version__, _graph_text(program.graph_module),
         str(program.graph_signature),
         str(sorted((str(k), str(v)) for k, v in program.range_constraints.items())),
         str(program.call_spec.in_spec), str(program.call_spec.out_spec),
