@@ -105,12 +105,32 @@ def test_packages_compile_once(decoders, packages, monkeypatch):
     assert dict(torch._dynamo.utils.counters["inductor"]) == before
 
 
+def _unfrozen_linears(decoder) -> list[str]:
+    """The projection weights a decoder's packages still take by name (frozen ones are
+    Inductor's ``_frozen_param`` constants, prepacked for oneDNN)."""
+    from torch._inductor import aoti_load_package
+
+    left = []
+    for path in decoder.packages.values():
+        names = aoti_load_package(str(path)).get_constant_fqns()
+        assert any(name.startswith("_frozen_param") for name in names), path
+        left += [name for name in names if name.endswith("proj.weight")]
+    return left
+
+
+def test_weights_are_frozen_into_the_packages(decoders):
+    """Every projection's weight is frozen into the packages, for the dynamic batch too
+    (Inductor freezes only with autograd off, and says nothing when it does not)."""
+    assert _unfrozen_linears(decoders[1]) == []
+
+
 def test_frozen_weights_at_batch_one(packages):
-    """A decoder of one row (a static batch) freezes its weights into the packages (oneDNN-prepacked
-    linears): the same tokens as eager, each constraint kind one request at a time."""
+    """A decoder of one row (a static batch): frozen weights, the same tokens as eager, each
+    constraint kind one request at a time."""
     model = tiny_decoder("llama", vocab_size=PADDED)
     eager = export_decoder(model, max_batch=1, max_len=64, vocab_size=VOCAB.vocab_size, pad_id=VOCAB.eos_id)
     compiled = compile_decoder(eager, "inductor", cache_dir=packages)
+    assert _unfrozen_linears(compiled) == []
     prompts, constraints = zip(*REQUESTS[:4])
     expected = S.generate(eager, list(prompts), list(constraints), 16, tokenizer=VOCAB)
     got = S.generate(compiled, list(prompts), list(constraints), 16, tokenizer=VOCAB)
@@ -207,3 +227,18 @@ def test_a_package_is_keyed_by_its_weights(decoders):
             assert weights_digest(program, eager.cache) != before
         finally:
             weight[0, 0], eager.cache[0][0, 0, 0, 0] = value, slot
+
+
+def test_out_of_range_inputs_are_refused_on_the_host(decoders):
+    """A compiled program has no index checks of its own (decoding.compiled): a token id past
+    the embedding, or a cache row past the cache, is refused before any program runs."""
+    eager, compiled = decoders
+    rows = compiled.embedding_rows
+    assert rows == eager.prefill.program.state_dict["model.model.embed_tokens.weight"].shape[0]
+    for decoder in (eager, compiled):
+        with pytest.raises(ValueError, match=rf"token id {rows}: the model's embedding has ids 0..{rows - 1}"):
+            decoder.run_prefill([[1, rows]], rows=[0], **_greedy(decoder, 1))
+        with pytest.raises(ValueError, match=r"token id -1"):
+            decoder.run_step([[-1]], positions=[3], **_greedy(decoder, 1))
+        with pytest.raises(ValueError, match=r"rows \[3\]: each prompt takes its own cache row, 0..2"):
+            decoder.run_prefill([[1, 2]], rows=[3], **_greedy(decoder, 1))

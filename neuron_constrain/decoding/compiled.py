@@ -9,10 +9,11 @@
 (batch, prefill length, attention window): no shape compiles again, and a later export of
 the same graph and weights loads its package from the cache folder (keyed by the graph,
 its signature, a digest of the weights, the torch version, the torch threads). The weights
-are in the package; where the batch is static (``max_batch=1``) they are frozen in
-(Inductor's ``freezing``: each linear layer's weight prepacked for oneDNN, a third faster
-than MKL's fp32 GEMM a SmolLM2 step on this CPU); with a dynamic batch Inductor would write
-the GEMMs as loops of its own, slower than MKL, so they stay MKL calls. The KV cache is
+are frozen into the package (Inductor's ``freezing``, which runs only with autograd off:
+each linear layer's weight prepacked for oneDNN, for the whole dynamic batch): a SmolLM2
+step on this CPU reads its weights at about the machine's memory bandwidth, where MKL's
+fp32 GEMM, eager's and Hugging Face's, takes twice as long at one row and four times as
+long at eight (README, "Compiled programs"). The KV cache is
 not in the package: it is loaded into every package as a *user-managed constant*,
 the very tensors the eager programs hold, so all of them read and write the one cache
 (``keep_rows`` moves its rows for all) and the eager programs stay the reference,
@@ -94,8 +95,8 @@ def _running(transformed, runner: torch.nn.Module):
 
 
 def weights_digest(program, cache: list[torch.Tensor]) -> str:
-    """A digest of every constant of ``program`` but the cache (whose values change): what a
-    package with frozen weights depends on beside its graph."""
+    """A digest of every constant of ``program`` but the cache (whose values change): the
+    weights a package holds, part of its key beside the graph."""
     skip = {id(t) for t in cache}
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(_constants(program).items()):
@@ -133,23 +134,29 @@ def _graph_key(program, weights: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+# Weights frozen in. Inductor's indirect-index asserts off: torch 2.9's Inductor writes one before the
+# value it checks in a one-row llama prefill (a C++ compile error); CachedDecoder checks every index
+# its programs take (token ids, positions, rows) on the host instead. Part of every package's key.
+INDUCTOR_CONFIGS = {"freezing": True, "assert_indirect_indexing": False}
+
+
 def _constants(program) -> dict[str, torch.Tensor]:
     return {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
 
 
-def _package(program, weights: str, folder: pathlib.Path, log, freeze: bool) -> tuple[pathlib.Path, bool]:
+def _package(program, weights: str, folder: pathlib.Path, log) -> tuple[pathlib.Path, bool]:
     """The program's package in ``folder``, compiled first if it is not there: (path, compiled now)."""
     from torch._inductor import aoti_compile_and_package
 
-    path = folder / f"{_graph_key(program, weights + f'freeze={freeze}')}.pt2"
+    path = folder / f"{_graph_key(program, weights + repr(INDUCTOR_CONFIGS))}.pt2"
     if path.is_file():
         return path, False
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:  # written whole, then moved: no torn package
+    # written whole, then moved: no torn package; Inductor freezes only with autograd off (silently)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch, torch.no_grad():
         built = aoti_compile_and_package(
-            program, package_path=os.path.join(scratch, "program.pt2"),
-            inductor_configs={"freezing": freeze},
+            program, package_path=os.path.join(scratch, "program.pt2"), inductor_configs=dict(INDUCTOR_CONFIGS),
         )
         os.replace(built, path)
     log(f"compiled {path.name} in {time.perf_counter() - start:.1f} s")
@@ -157,6 +164,7 @@ def _package(program, weights: str, folder: pathlib.Path, log, freeze: bool) -> 
 
 
 def cache_names(program, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The cache tensors by their names in ``program`` (the names a package's constants have)."""
     ids = {id(t) for t in cache}
     return {name: t for name, t in program.state_dict.items() if id(t) in ids}
 
@@ -175,16 +183,21 @@ def _load(path: pathlib.Path, program, cache: list[torch.Tensor]):
     return compiled
 
 
+def _programs(decoder) -> dict:
+    """The decoder's programs by name: ``"prefill"``, ``"step1"``, ``"step4"``..."""
+    return {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
+
+
 def _inductor(decoder, cache_dir, log):
     folder = pathlib.Path(cache_dir) if cache_dir is not None else package_cache_dir()
-    programs = {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
+    programs = _programs(decoder)
     packages, built = {}, 0
     weights = weights_digest(decoder.prefill.program, decoder.cache)  # every program holds the same weights
     for name, transformed in programs.items():
         for tensor in _constants(transformed.program).values():
             if tensor.device.type != "cpu":
                 raise ValueError(f"{name}: AOTInductor here compiles for the CPU, but a weight is on {tensor.device}")
-        path, now = _package(transformed.program, weights, folder, log, freeze=decoder.max_batch == 1)
+        path, now = _package(transformed.program, weights, folder, log)
         built += now
         packages[name] = path
     compiled = {name: _running(programs[name], _Runner(_load(path, programs[name].program, decoder.cache)))
@@ -196,8 +209,7 @@ def _xla(decoder):
     from neuron_constrain.decoding.xla import to_xla, xla_device
 
     device = xla_device()
-    programs = {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
-    moved = {name: to_xla(t, device) for name, t in programs.items()}
+    moved = {name: to_xla(t, device) for name, t in _programs(decoder).items()}
     cache = share_cache(list(moved.values()))
     return moved, cache, device
 

@@ -258,6 +258,7 @@ class CachedDecoder:
     packages: dict = dataclasses.field(default_factory=dict)  # "inductor": program name -> its package (.pt2)
     packages_built: int = 0  # "inductor": packages compiled by this call (the others came from the cache)
     eager: "CachedDecoder | None" = None  # a compiled decoder's eager twin (the reference)
+    embedding_rows: int = 0  # token ids run 0..embedding_rows - 1 (0: not checked)
 
     @property
     def step(self):
@@ -281,6 +282,9 @@ class CachedDecoder:
             ids[i, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
         rows = torch.as_tensor(list(rows), dtype=torch.long)
+        if int(rows.min()) < 0 or int(rows.max()) >= self.max_batch or len(set(rows.tolist())) < len(rows):
+            raise ValueError(f"rows {rows.tolist()}: each prompt takes its own cache row, 0..{self.max_batch - 1}")
+        self._check_ids(ids)
         with torch.no_grad():  # with grad on, every write would chain the cache into an ever-growing autograd graph
             return self._synced(self.prefill.run(*self._moved((ids, rows, last)), **self._moved(extra)))
 
@@ -290,6 +294,9 @@ class CachedDecoder:
         batch, n = tokens.shape
         if n not in self.steps:
             raise ValueError(f"{n} tokens a row, but the step programs take {sorted(self.steps)}")
+        if batch > self.max_batch:
+            raise ValueError(f"{batch} rows, but the cache has {self.max_batch}")
+        self._check_ids(tokens)
         position_ids = torch.as_tensor(list(positions), dtype=torch.long)[:, None] + torch.arange(n)
         end = int(position_ids.max()) + 1
         if end > self.max_len or int(position_ids.min()) < 0:
@@ -298,6 +305,14 @@ class CachedDecoder:
         attention_mask = torch.arange(window)[None, :] <= position_ids[:, -1:]
         with torch.no_grad():
             return self._synced(self.steps[n].run(*self._moved((tokens, position_ids, attention_mask)), **self._moved(extra)))
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Token ids index the embedding: checked here, since a compiled program does not
+        (decoding.compiled: Inductor's index asserts are off) and would read past it."""
+        if self.embedding_rows and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.embedding_rows):
+            bad = ids[(ids < 0) | (ids >= self.embedding_rows)][0]
+            raise ValueError(f"token id {int(bad)}: the model's embedding has ids 0..{self.embedding_rows - 1} "
+                             "(a tokenizer of another model?)")
 
     def _moved(self, values):
         """A tuple or dict of host-made inputs, on the programs' device (on the XLA device
@@ -395,5 +410,6 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
             )
     tensors = share_cache([prefill, *steps.values()])
     decoder = CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
-                            sampled=sampled, logits_width=width)
+                            sampled=sampled, logits_width=width,
+                            embedding_rows=model.get_input_embeddings().weight.shape[0])
     return decoder if compile is None else compile_decoder(decoder, compile, cache_dir=package_dir)
