@@ -362,10 +362,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_compile(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--compile", choices=("none", "inductor"), default="none",
-                         help="inductor: run the decode programs as AOTInductor packages, compiled once into "
-                              "build/packages (minutes the first time, then loaded); default none: eager, which "
-                              "answers a one-off command sooner when nothing is compiled yet (README, Speed)")
+    command.add_argument("--compile", choices=("auto", "none", "inductor"), default="auto",
+                         help="inductor: AOTInductor packages (about twice as fast; compiled once into build/packages, "
+                              "minutes, then loaded); none: eager; auto (default): the packages where built, else eager")
 
 
 def _add_allow_pickle(command: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ def _best_of(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def run_demo(seed: int = 0, model: str = "smollm2", compile: str | None = None) -> int:
+def run_demo(seed: int = 0, model: str = "smollm2", compile: str | None = "auto") -> int:
     if model == "smollm2":
         return 0 if run_smollm2_demo(compile=compile) else 1
     return run_tiny_demo(seed)
@@ -216,10 +216,11 @@ def smollm2_requests():
     ]
 
 
-def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: str | None = None) -> bool:
+def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: str | None = "auto") -> bool:
     """The requests of :func:`smollm2_requests` in one KV-cached batch, constrained and then
     free; True when every constrained answer finished and validates. ``compile``: as
-    ``export_decoder``'s (``"inductor"``: AOTInductor packages, compiled once into build/packages)."""
+    ``export_decoder``'s (``"inductor"``: AOTInductor packages, compiled once into build/packages;
+    ``"auto"``: those packages where they are built, else eager)."""
     import json
 
     from neuron_constrain import models as M
@@ -233,8 +234,9 @@ def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: st
     start = time.perf_counter()
     decoder = M.export(loaded, max_batch=len(requests), max_len=1024, compile=compile)
     print(f"KV-cached prefill + decode programs exported and rewritten in {time.perf_counter() - start:.1f} s"
-          + ("" if compile is None else f" (compiled with {compile}: {decoder.packages_built} packages built, "
-                                        f"{decoder.compile_seconds:.1f} s)"))
+          + (f" (compiled with {decoder.compiled}: {decoder.packages_built} packages built, {decoder.compile_seconds:.1f} s)"
+             if decoder.compiled else " (run eagerly; `--compile inductor` compiles them once, minutes, and runs "
+                                      "about twice as fast; later runs load the packages)" if compile else ""))
     prompts = [M.prompt_ids(loaded, r.prompt, tools=r.tools) for r in requests]
     constraints = [r.constraint(loaded.tokenizer) for r in requests]
     runtime = S.StructuredRuntime.for_model(decoder, loaded.tokenizer, max_rows=len(requests), engine=engine)

@@ -242,3 +242,17 @@ def test_out_of_range_inputs_are_refused_on_the_host(decoders):
             decoder.run_step([[-1]], positions=[3], **_greedy(decoder, 1))
         with pytest.raises(ValueError, match=r"rows \[3\]: each prompt takes its own cache row, 0..2"):
             decoder.run_prefill([[1, 2]], rows=[3], **_greedy(decoder, 1))
+
+
+def test_auto_compiles_nothing_and_loads_what_is_built(decoders, packages, tmp_path):
+    """``compile="auto"``: the packages where all of them are built (loaded, none compiled),
+    the eager programs where any is missing (no first compile of minutes)."""
+    eager, compiled = decoders
+    options = dict(max_batch=3, max_len=96, vocab_size=VOCAB.vocab_size, pad_id=VOCAB.eos_id, new_tokens=(1, 4),
+                   sampled=True)
+    model = tiny_decoder("gpt_oss", vocab_size=PADDED)
+    loaded = export_decoder(model, compile="auto", package_dir=packages, **options)
+    assert loaded.compiled == "inductor" and loaded.packages_built == 0 and loaded.packages == compiled.packages
+    assert _tokens(loaded)[0] == _tokens(eager)[0]
+    assert export_decoder(model, compile="auto", package_dir=tmp_path, **options).compiled is None
+    assert list(tmp_path.iterdir()) == []

@@ -43,9 +43,11 @@ import time
 
 import torch
 
-__all__ = ["BACKENDS", "cache_names", "compile_decoder", "package_cache_dir", "share_cache", "weights_digest"]
+__all__ = ["BACKENDS", "cache_names", "compile_decoder", "package_cache_dir", "packages_ready", "share_cache",
+           "weights_digest"]
 
 BACKENDS = ("inductor", "xla")
+AUTO = "auto"  # "inductor" where every package is already built, else eager (export_decoder's compile=)
 
 
 def share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
@@ -144,11 +146,15 @@ def _constants(program) -> dict[str, torch.Tensor]:
     return {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
 
 
+def _package_path(program, weights: str, folder: pathlib.Path) -> pathlib.Path:
+    return folder / f"{_graph_key(program, weights + repr(INDUCTOR_CONFIGS))}.pt2"
+
+
 def _package(program, weights: str, folder: pathlib.Path, log) -> tuple[pathlib.Path, bool]:
     """The program's package in ``folder``, compiled first if it is not there: (path, compiled now)."""
     from torch._inductor import aoti_compile_and_package
 
-    path = folder / f"{_graph_key(program, weights + repr(INDUCTOR_CONFIGS))}.pt2"
+    path = _package_path(program, weights, folder)
     if path.is_file():
         return path, False
     folder.mkdir(parents=True, exist_ok=True)
@@ -186,6 +192,14 @@ def _load(path: pathlib.Path, program, cache: list[torch.Tensor]):
 def _programs(decoder) -> dict:
     """The decoder's programs by name: ``"prefill"``, ``"step1"``, ``"step4"``..."""
     return {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
+
+
+def packages_ready(decoder, cache_dir=None) -> bool:
+    """Whether every program of ``decoder`` (an eager one) has its AOTInductor package in
+    ``cache_dir`` already: ``compile_decoder(decoder, "inductor")`` would then only load them."""
+    folder = pathlib.Path(cache_dir) if cache_dir is not None else package_cache_dir()
+    weights = weights_digest(decoder.prefill.program, decoder.cache)
+    return all(_package_path(t.program, weights, folder).is_file() for t in _programs(decoder).values())
 
 
 def _inductor(decoder, cache_dir, log):

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from neuron_constrain.decoding.compiled import cache_names, compile_decoder, share_cache
+from neuron_constrain.decoding.compiled import AUTO, cache_names, compile_decoder, packages_ready, share_cache
 
 __all__ = ["CachedDecoder", "KVCache", "PrefillStep", "CachedStep", "export_decoder"]
 
@@ -368,7 +368,9 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     by the exponential race instead of the argmax (``generate(..., temperature=)``).
     ``compile``: ``"inductor"`` (AOTInductor packages, kept in ``package_dir``) or ``"xla"``
     runs the programs compiled (:func:`neuron_constrain.decoding.compile_decoder`; the
-    eager programs stay as ``decoder.eager``); None runs them eagerly.
+    eager programs stay as ``decoder.eager``); None runs them eagerly; ``"auto"``: compiled
+    where every package is built already (loaded in about a second), eagerly otherwise
+    (no first compile of minutes: a one-off command answers sooner).
     """
     from torch.export import Dim
 
@@ -412,4 +414,6 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     decoder = CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
                             sampled=sampled, logits_width=width,
                             embedding_rows=model.get_input_embeddings().weight.shape[0])
+    if compile == AUTO:
+        compile = "inductor" if packages_ready(decoder, package_dir) else None
     return decoder if compile is None else compile_decoder(decoder, compile, cache_dir=package_dir)

@@ -130,7 +130,8 @@ def ask(loaded: Loaded, request: Request, *, engine: str = "auto", max_tokens: i
         compile: str | None = None) -> Answer:
     """Export ``loaded`` for this one request (a cache sized to it) and generate greedily.
     ``compile="inductor"``: AOTInductor packages (the cache then in steps of 1024 slots, so
-    every request of up to 1024 tokens reuses the packages compiled once)."""
+    every request of up to 1024 tokens reuses the packages compiled once); ``"auto"``: those
+    packages where they are built already, else eager."""
     from neuron_constrain.models import export, prompt_ids
 
     if max_tokens < 1:
