@@ -354,6 +354,45 @@ def test_llguidance_dead_end_allows_nothing_rather_than_a_stop_token_it_refuses(
     assert not matcher.accept_token(tekken.eos_id)
 
 
+def test_rows_checked_once_per_fill_still_refuse_every_bad_buffer(tekken):
+    """The row checks run once per fill (``batch_fill``: ``check_rows``, then ``_fill_checked``;
+    auto no longer checks again in each engine, llguidance's matcher not again after its
+    engine): every bad buffer or row is still refused with the ValueError before a write, for
+    llguidance's raw-pointer writes alone and among xgrammar's rows in auto."""
+    auto = E.make_engine("auto", tekken)
+    try:
+        keys = auto.compile(S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}))
+        plain = auto.compile(S.json_schema({"type": "array", "items": {"type": "integer"}}))
+        assert (keys.engine, plain.engine) == ("llguidance", "xgrammar")
+        width = auto.width
+        parent = torch.full((4, width), 7, dtype=torch.int32)
+        bad = [(parent[:2], [2]), (parent[:2], [-1]), (parent, [4]),
+               (torch.full((2, width), 7, dtype=torch.int64), [0]), (torch.full((2, width + 1), 7, dtype=torch.int32), [0]),
+               (torch.full((width, 2), 7, dtype=torch.int32).t(), [0]), (torch.full((4, width), 7, dtype=torch.int32)[::2], [1]),
+               (torch.full((width,), 7, dtype=torch.int32), [0]), ([[7] * width], [0])]
+        for engine, compiled in ((auto, keys), (auto.llguidance, keys), (auto, plain)):
+            for mixed in (False, True):
+                matchers = [engine.matcher(compiled)] + ([auto.matcher(plain)] if mixed and engine is auto else [])
+                for buffer, rows in bad:
+                    rows = rows + [0] * (len(matchers) - 1)
+                    with pytest.raises(ValueError, match="mask buffer|outside the buffer"):
+                        engine.batch_fill(matchers, buffer, rows)
+                    if isinstance(buffer, torch.Tensor) and buffer.dtype == torch.int32:
+                        assert bool((buffer == 7).all()), "a refused fill wrote into the buffer"
+        assert bool((parent == 7).all())
+        # llguidance's stop-bit clearing reuses its view of a buffer: a view made on parent[:2] is not
+        # used past its end when the same memory comes back with more rows (remade, the row still cleared)
+        llg = auto.llguidance
+        dead = llg.matcher(llg.compile(S.regex("ab")))
+        dead.inner.consume_token(tekken.encode("x")[0])  # an error state, whose llguidance mask allows EOS
+        for buffer, row in ((parent[:2], 1), (parent, 3), (parent[:1], 0)):
+            parent.fill_(-1)
+            assert llg.batch_fill([dead], buffer, [row]) == []
+            assert not bool(parent[row].any()) and bool((parent[[r for r in range(4) if r != row]] == -1).all())
+    finally:
+        auto.close()
+
+
 def test_auto_takes_xgrammar_where_it_enforces_everything_and_llguidance_for_the_rest(tekken):
     engine = E.make_engine("auto", tekken)
     try:

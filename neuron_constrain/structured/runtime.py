@@ -381,7 +381,8 @@ class StructuredRuntime:
         with an error naming it and the token (a refused token, one past the vocabulary).
         """
         start = time.perf_counter()
-        values = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens  # only read
+        # only read; `type is list` first: isinstance through torch.Tensor's metaclass costs ~0.15 us
+        values = tokens if type(tokens) is list or not isinstance(tokens, torch.Tensor) else tokens.tolist()
         if len(values) != len(batch):
             raise BatchLayoutError(f"{len(values)} tokens for a batch of {len(batch)} requests; pass one token per request")
         plan = self._plan

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows
+from neuron_constrain.structured.engines.base import Compiled, GrammarEngine
 from neuron_constrain.structured.engines.llguidance_engine import LLGuidanceEngine, LLGuidanceMatcher
 from neuron_constrain.structured.engines.xgrammar_engine import XGrammarEngine
 
@@ -67,19 +67,23 @@ class AutoEngine(GrammarEngine):
     def matcher(self, compiled: Compiled):
         return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
 
-    def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+    def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        # batch_fill checked the buffer and rows once: each engine fills its matchers without checking again
         if self._llguidance is None:  # nothing went to llguidance yet: every matcher is xgrammar's
-            return self.xgrammar.batch_fill(matchers, buffer, rows)
-        check_rows(buffer, rows, self.width)
+            return self.xgrammar._fill_checked(matchers, buffer, rows)
+        if len(matchers) == 1:
+            engine = self._llguidance if isinstance(matchers[0], LLGuidanceMatcher) else self.xgrammar
+            return engine._fill_checked(matchers, buffer, rows)
         split = [i for i, m in enumerate(matchers) if isinstance(m, LLGuidanceMatcher)]
         if not split:
-            return self.xgrammar.batch_fill(matchers, buffer, rows)
+            return self.xgrammar._fill_checked(matchers, buffer, rows)
+        if len(split) == len(matchers):
+            return self.llguidance._fill_checked(matchers, buffer, rows)
         others = [i for i in range(len(matchers)) if not isinstance(matchers[i], LLGuidanceMatcher)]
         failures = []
         for engine, indices in ((self.llguidance, split), (self.xgrammar, others)):
-            if indices:
-                found = engine.batch_fill([matchers[i] for i in indices], buffer, [rows[i] for i in indices])
-                failures += [(indices[k], error) for k, error in found]
+            found = engine._fill_checked([matchers[i] for i in indices], buffer, [rows[i] for i in indices])
+            failures += [(indices[k], error) for k, error in found]
         return sorted(failures, key=lambda failure: failure[0])
 
     def batch_accept(self, matchers: Sequence, tokens: Sequence[int]) -> list[bool]:

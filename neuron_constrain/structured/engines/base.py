@@ -67,20 +67,26 @@ class Compiled:
     unenforced: tuple[keywords.Unenforced, ...] = ()
 
 
-def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> None:
-    """Refuse, before any write, a mask buffer or row an engine must not write into."""
-    if not isinstance(buffer, torch.Tensor) or buffer.dtype is not torch.int32 or not buffer.is_cpu:
+def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> int:
+    """Refuse, before any write, a mask buffer or row an engine must not write into; returns the
+    buffer's row count. Every call checks everything, reading each torch attribute once (a
+    read costs 50-180 ns; the type test skips ``torch.Tensor``'s metaclass for a plain tensor):
+    it runs once per ``batch_fill`` (``benchmarks/timing_host_parts.py`` times it)."""
+    if (type(buffer) is not torch.Tensor and not isinstance(buffer, torch.Tensor)) \
+            or buffer.dtype is not torch.int32 or not buffer.is_cpu:
         kind = f"a {buffer.dtype} tensor on {buffer.device}" if isinstance(buffer, torch.Tensor) else type(buffer).__name__
         raise ValueError(f"the mask buffer must be an int32 CPU tensor [rows, {width}], got {kind}")
-    if buffer.dim() != 2 or buffer.shape[1] != width or not buffer.is_contiguous():
+    shape = buffer.shape
+    if len(shape) != 2 or shape[1] != width or not buffer.is_contiguous():
         raise ValueError(
             f"the mask buffer must be a contiguous int32 tensor [rows, {width}] (ceil(vocab/32) words a row), "
-            f"got shape {tuple(buffer.shape)}{'' if buffer.is_contiguous() else ', not contiguous'}"
+            f"got shape {tuple(shape)}{'' if buffer.is_contiguous() else ', not contiguous'}"
         )
-    count = buffer.shape[0]
+    count = shape[0]
     for row in rows:
         if not 0 <= row < count:
             raise ValueError(f"mask row {row} is outside the buffer's {count} rows; fill rows 0..{count - 1}")
+    return count
 
 
 class GrammarEngine(abc.ABC):
@@ -134,9 +140,17 @@ class GrammarEngine(abc.ABC):
                    rows: Sequence[int]) -> list[tuple[int, BaseException]]:
         """Fill ``rows[i]`` from ``matchers[i]``; returns the failures as ``(i, error)``."""
         check_rows(buffer, rows, self.width)
+        return self._fill_checked(matchers, buffer, rows)
+
+    def _fill_checked(self, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
+                     rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        """``batch_fill`` after :func:`check_rows` passed for ``buffer`` and ``rows`` (a caller
+        that checked them once, ``AutoEngine``, does not pay for the check twice)."""
         return fill_each(matchers, buffer, rows)
 
     def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        if len(matchers) == 1:
+            return [matchers[0].accept_token(tokens[0])]
         return [matcher.accept_token(token) for matcher, token in zip(matchers, tokens)]
 
     @abc.abstractmethod

@@ -132,14 +132,23 @@ class LLGuidanceEngine(GrammarEngine):
     def matcher(self, compiled: Compiled) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)
 
-    def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
-        check_rows(buffer, rows, self.width)
+    def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+        # batch_fill ran check_rows: our matchers write without checking again (``LLGuidanceMatcher._write``)
         if self.fill_threads == 1 or len(matchers) == 1:
             # Row by row: llguidance's LLExecutor(num_threads=1) took 1.9x as long at batch 32 on Tekken.
-            return fill_each(matchers, buffer, rows)
+            failures = []
+            for index, (matcher, row) in enumerate(zip(matchers, rows)):
+                try:
+                    if type(matcher) is LLGuidanceMatcher:
+                        matcher._write(buffer, row)
+                    else:  # another engine's matcher, or a caller's own: its own method (and checks)
+                        matcher.fill_next_token_bitmask(buffer, row)
+                except Exception as error:  # noqa: BLE001 - the request's own failure, reported with its index
+                    failures.append((index, error))
+            return failures
         if self._executor is None:
             self._executor = self._llg.LLExecutor(num_threads=self.fill_threads)
-        try:  # the rows were checked against the buffer above: the raw pointer stays inside it
+        try:  # the rows were checked against the buffer (batch_fill): the raw pointer stays inside it
             self._executor.unsafe_compute_mask_ptr(
                 [(m.inner, int(r)) for m, r in zip(matchers, rows)], buffer.data_ptr(), self.width * 4, buffer.shape[0]
             )
@@ -171,29 +180,56 @@ def _json_options(constraint: Constraint) -> dict:
 class LLGuidanceMatcher:
     """An ``llguidance.LLMatcher`` with xgrammar ``GrammarMatcher``'s methods and behaviour."""
 
-    __slots__ = ("inner", "width", "_stops", "_terminated", "_stop_counted")
+    __slots__ = ("inner", "width", "_stops", "_clear", "_terminated", "_stop_counted", "_words", "_words_key")
 
     def __init__(self, inner, stop_token_ids: Sequence[int], width: int):
         self.inner, self.width = inner, width
         self._stops = tuple(stop_token_ids)
+        clear: dict[int, int] = {}  # word -> the bits to keep in it (every stop bit cleared)
+        for stop in self._stops:
+            clear[stop >> 5] = clear.get(stop >> 5, 0xFFFFFFFF) & (0xFFFFFFFF ^ (1 << (stop & 31)))
+        self._clear = tuple(clear.items())
         self._terminated = False
         self._stop_counted = False  # llguidance counted the accepted stop token (it was not stopped yet)
+        self._words, self._words_key = None, None  # the buffer's words as uint32 (a memoryview), and whose
 
     def fill_next_token_bitmask(self, buffer: torch.Tensor, row: int = 0) -> bool:
         check_rows(buffer, (row,), self.width)  # before the raw write: it must land inside the buffer
-        size = self.width * 4
-        self.inner.unsafe_compute_mask_ptr(buffer.data_ptr() + row * size, size)
-        self.agree(buffer, row)
+        self._write(buffer, row)
         return True
+
+    def _write(self, buffer: torch.Tensor, row: int) -> None:
+        """The fill, for a buffer and row :func:`check_rows` accepted (``fill_next_token_bitmask``,
+        ``LLGuidanceEngine.batch_fill``): llguidance writes the row through its address."""
+        size = self.width * 4
+        address = buffer.data_ptr()
+        self.inner.unsafe_compute_mask_ptr(address + row * size, size)
+        if not self.inner.is_accepting():
+            self._clear_stops(buffer, address, row)
 
     def agree(self, buffer: torch.Tensor, row: int) -> None:
         """Clear the stop bits ``accept_token`` would refuse: it takes a stop token only where the
         grammar may end, while llguidance's mask allows EOS in an error or dead-end state too."""
-        if self.inner.is_accepting():
-            return
-        words = buffer.numpy().view(np.uint32)[row]
-        for stop in self._stops:
-            words[stop >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (stop & 31)))
+        if not self.inner.is_accepting():
+            self._clear_stops(buffer, buffer.data_ptr(), row)
+
+    def _clear_stops(self, buffer: torch.Tensor, address: int, row: int) -> None:
+        # The buffer's words as a memoryview, made once per buffer (``buffer.numpy()`` alone costs ~1 us).
+        # The view keeps that storage alive, so no other buffer can start at its address: the same address
+        # is the same memory. The row was checked against the buffer's current shape; a view made when the
+        # buffer had fewer rows raises IndexError on a later row, never writes past its end: remade then.
+        base = row * self.width
+        for _ in range(2):
+            words = self._words
+            if address != self._words_key:
+                words = self._words = memoryview(buffer.numpy()).cast("B").cast("I")
+                self._words_key = address
+            try:
+                for word, keep in self._clear:
+                    words[base + word] &= keep
+                return
+            except IndexError:
+                self._words_key = None
 
     def accept_token(self, token: int) -> bool:
         if self._terminated:

@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain.structured import keywords as K
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, encode_continuation, fill_each
+from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, encode_continuation, fill_each
 from neuron_constrain.structured.engines.fill_threads import RowFillers
 from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, parse_constraint, xgrammar_info
 
@@ -191,10 +191,13 @@ class XGrammarEngine(GrammarEngine):
     def matcher(self, compiled: Compiled) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled.grammar)
 
-    def batch_fill(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
-        check_rows(buffer, rows, self.width)
+    def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
         if len(matchers) == 1:  # the batch API costs ~65 us more for one row
-            return fill_each(matchers, buffer, rows)
+            try:
+                matchers[0].fill_next_token_bitmask(buffer, rows[0])
+            except Exception as error:  # noqa: BLE001 - the request's own failure
+                return [(0, error)]
+            return []
         if self.fillers is not None:  # xgrammar's BatchGrammarMatcher(max_threads=2) filled slower than one thread
             return self.fillers.fill(matchers, buffer, rows)
         try:
