@@ -256,3 +256,32 @@ def test_auto_compiles_nothing_and_loads_what_is_built(decoders, packages, tmp_p
     assert _tokens(loaded)[0] == _tokens(eager)[0]
     assert export_decoder(model, compile="auto", package_dir=tmp_path, **options).compiled is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_large_vocabulary_mask_compiled(packages):
+    """A 262,144-token vocabulary (Gemma 3's): the packed mask is 8,192 words a row; the
+    compiled prefill and step pick what eager picks, the best allowed token of each row."""
+    from neuron_constrain.kernels import pack_bool_mask
+
+    width = 262_144
+    model = tiny_decoder("qwen3", vocab_size=width)
+    eager = export_decoder(model, max_batch=2, max_len=32, vocab_size=width)
+    compiled = compile_decoder(eager, "inductor", cache_dir=packages)
+    generator = torch.Generator().manual_seed(0)
+    allowed = torch.zeros(2, width, dtype=torch.bool)
+    allowed[0, torch.randint(0, width, (7,), generator=generator)] = True
+    allowed[1, width - 3:] = True  # the last word of the row
+    mask = pack_bool_mask(allowed)
+    assert mask.shape == (2, width // 32)
+    prompts = [[5, 9, 200_000], [261_000, 3]]
+    picks = []
+    for decoder in (eager, compiled):
+        first, _ = decoder.run_prefill(prompts, rows=[0, 1], logit_mask=mask)
+        second, _ = decoder.run_step(first[:, None], positions=[3, 2], logit_mask=mask)
+        picks.append((first.tolist(), second.tolist()))
+    assert picks[0] == picks[1]
+    with torch.no_grad():  # the best allowed token of the prefill's last position, from the model itself
+        for row, prompt in enumerate(prompts):
+            logits = model(torch.tensor([prompt])).logits[0, -1]
+            best = int(logits.masked_fill(~allowed[row], float("-inf")).argmax())
+            assert picks[1][0][row] == best
