@@ -47,7 +47,7 @@ def parts(engine_name: str, tokenizer, constraint, tokens, reps: int, number: in
             return None
         matcher = engine.matcher(compiled)
         runtime.compiled.put(compiled)
-        runtime.add("r", constraint)
+        runtime.add("r", compiled.constraint)
         runtime.wait(["r"])
         for token in tokens[:WALK]:
             if not matcher.accept_token(token):
@@ -56,6 +56,9 @@ def parts(engine_name: str, tokenizer, constraint, tokens, reps: int, number: in
             runtime.accept_rows(["r"], [token])
         own = runtime.requests.states["r"].matcher
         nxt = tokens[WALK]
+        if own is None or not matcher.accept_token(nxt):  # timed as accept + rollback(1): it must be taken
+            return None
+        matcher.rollback(1)
         buffer = torch.zeros((1, engine.width), dtype=torch.int32)
         width, batch, values = engine.width, ["r"], [nxt]
         inner = getattr(matcher, "inner", None)
