@@ -66,9 +66,11 @@ def share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
     return [first[n] for n in names]
 
 
-def package_cache_dir() -> pathlib.Path:
-    """Where AOTInductor packages are kept: ``$NEURON_CONSTRAIN_PACKAGES``, else a
-    ``neuron_constrain`` folder in Inductor's own cache (``$TORCHINDUCTOR_CACHE_DIR``)."""
+def package_cache_dir(folder=None) -> pathlib.Path:
+    """Where AOTInductor packages are kept: ``folder`` if given, else ``$NEURON_CONSTRAIN_PACKAGES``,
+    else a ``neuron_constrain`` folder in Inductor's own cache (``$TORCHINDUCTOR_CACHE_DIR``)."""
+    if folder is not None:
+        return pathlib.Path(folder)
     if os.environ.get("NEURON_CONSTRAIN_PACKAGES"):
         return pathlib.Path(os.environ["NEURON_CONSTRAIN_PACKAGES"])
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -197,13 +199,13 @@ def _programs(decoder) -> dict:
 def packages_ready(decoder, cache_dir=None) -> bool:
     """Whether every program of ``decoder`` (an eager one) has its AOTInductor package in
     ``cache_dir`` already: ``compile_decoder(decoder, "inductor")`` would then only load them."""
-    folder = pathlib.Path(cache_dir) if cache_dir is not None else package_cache_dir()
+    folder = package_cache_dir(cache_dir)
     weights = weights_digest(decoder.prefill.program, decoder.cache)
     return all(_package_path(t.program, weights, folder).is_file() for t in _programs(decoder).values())
 
 
 def _inductor(decoder, cache_dir, log):
-    folder = pathlib.Path(cache_dir) if cache_dir is not None else package_cache_dir()
+    folder = package_cache_dir(cache_dir)
     programs = _programs(decoder)
     packages, built = {}, 0
     weights = weights_digest(decoder.prefill.program, decoder.cache)  # every program holds the same weights
