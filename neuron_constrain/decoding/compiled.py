@@ -43,11 +43,10 @@ import time
 
 import torch
 
-__all__ = ["BACKENDS", "cache_names", "compile_decoder", "package_cache_dir", "packages_ready", "share_cache",
-           "weights_digest"]
+__all__ = ["BACKENDS", "cache_names", "compile_decoder", "package_cache_dir", "share_cache", "weights_digest"]
 
 BACKENDS = ("inductor", "xla")
-AUTO = "auto"  # "inductor" where every package is already built, else eager (export_decoder's compile=)
+AUTO = "auto"  # "inductor" where every package is already built, else the eager decoder as it is
 
 
 def share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
@@ -152,23 +151,22 @@ def _package_path(program, weights: str, folder: pathlib.Path) -> pathlib.Path:
     return folder / f"{_graph_key(program, weights + repr(INDUCTOR_CONFIGS))}.pt2"
 
 
-def _package(program, weights: str, folder: pathlib.Path, log) -> tuple[pathlib.Path, bool]:
-    """The program's package in ``folder``, compiled first if it is not there: (path, compiled now)."""
+def _package(program, path: pathlib.Path, log) -> bool:
+    """Compile ``program`` into ``path`` unless it is there: whether it compiled now."""
     from torch._inductor import aoti_compile_and_package
 
-    path = _package_path(program, weights, folder)
     if path.is_file():
-        return path, False
-    folder.mkdir(parents=True, exist_ok=True)
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     # written whole, then moved: no torn package; Inductor freezes only with autograd off (silently)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch, torch.no_grad():
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch, torch.no_grad():
         built = aoti_compile_and_package(
             program, package_path=os.path.join(scratch, "program.pt2"), inductor_configs=dict(INDUCTOR_CONFIGS),
         )
         os.replace(built, path)
     log(f"compiled {path.name} in {time.perf_counter() - start:.1f} s")
-    return path, True
+    return True
 
 
 def cache_names(program, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -196,26 +194,21 @@ def _programs(decoder) -> dict:
     return {"prefill": decoder.prefill, **{f"step{n}": s for n, s in decoder.steps.items()}}
 
 
-def packages_ready(decoder, cache_dir=None) -> bool:
-    """Whether every program of ``decoder`` (an eager one) has its AOTInductor package in
-    ``cache_dir`` already: ``compile_decoder(decoder, "inductor")`` would then only load them."""
-    folder = package_cache_dir(cache_dir)
-    weights = weights_digest(decoder.prefill.program, decoder.cache)
-    return all(_package_path(t.program, weights, folder).is_file() for t in _programs(decoder).values())
-
-
-def _inductor(decoder, cache_dir, log):
+def _inductor(decoder, cache_dir, log, build: bool):
+    """The programs loaded from their packages, compiling the missing ones (``build``) or
+    returning None when one is missing (not ``build``: ``"auto"``)."""
     folder = package_cache_dir(cache_dir)
     programs = _programs(decoder)
-    packages, built = {}, 0
     weights = weights_digest(decoder.prefill.program, decoder.cache)  # every program holds the same weights
+    packages = {name: _package_path(t.program, weights, folder) for name, t in programs.items()}
+    if not build and not all(path.is_file() for path in packages.values()):
+        return None
+    built = 0
     for name, transformed in programs.items():
         for tensor in _constants(transformed.program).values():
             if tensor.device.type != "cpu":
                 raise ValueError(f"{name}: AOTInductor here compiles for the CPU, but a weight is on {tensor.device}")
-        path, now = _package(transformed.program, weights, folder, log)
-        built += now
-        packages[name] = path
+        built += _package(transformed.program, packages[name], log)
     compiled = {name: _running(programs[name], _Runner(_load(path, programs[name].program, decoder.cache)))
                 for name, path in packages.items()}
     return compiled, packages, built
@@ -233,22 +226,27 @@ def _xla(decoder):
 def compile_decoder(decoder, backend: str = "inductor", *, cache_dir=None, log=None):
     """A :class:`~neuron_constrain.decoding.CachedDecoder` whose programs run compiled
     (``backend``: ``"inductor"``, AOTInductor packages on the CPU; ``"xla"``, the programs
-    on the XLA device). ``decoder`` is left as it was; with ``"inductor"`` both share
-    one KV cache (the compiled one is a faster view of the same programs)."""
+    on the XLA device; ``"auto"``, the packages where every one is built already, else
+    ``decoder`` itself, eager, with nothing compiled). ``decoder`` is left as it was; with
+    ``"inductor"`` both share one KV cache (the compiled one is a faster view of the same
+    programs)."""
     if not (dataclasses.is_dataclass(decoder) and hasattr(decoder, "steps") and hasattr(decoder, "prefill")):
         raise TypeError(f"compile_decoder takes a CachedDecoder (export_decoder's), not {type(decoder).__name__}")
     if decoder.compiled is not None:
         raise ValueError(f"this decoder is already compiled ({decoder.compiled}); compile the eager one")
     log = log or (lambda message: None)
     start = time.perf_counter()
-    if backend == "inductor":
-        programs, packages, built = _inductor(decoder, cache_dir, log)
-        fields = dict(cache=decoder.cache, packages=packages, packages_built=built)
+    if backend in ("inductor", AUTO):
+        found = _inductor(decoder, cache_dir, log, build=backend == "inductor")
+        if found is None:  # "auto" and a package missing: no first compile of minutes
+            return decoder
+        programs, packages, built = found
+        backend, fields = "inductor", dict(cache=decoder.cache, packages=packages, packages_built=built)
     elif backend == "xla":
         programs, cache, device = _xla(decoder)
         fields = dict(cache=cache, device=device)
     else:
-        raise ValueError(f"compile={backend!r}: choose one of {', '.join(BACKENDS)} (or None: run the programs eagerly)")
+        raise ValueError(f"compile={backend!r}: choose one of {', '.join((*BACKENDS, AUTO))} (or None: run the programs eagerly)")
     steps = {int(name[len("step"):]): program for name, program in programs.items() if name != "prefill"}
     return dataclasses.replace(decoder, prefill=programs["prefill"], steps=steps, compiled=backend,
                                compile_seconds=time.perf_counter() - start, eager=decoder, **fields)

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from neuron_constrain.decoding.compiled import AUTO, cache_names, compile_decoder, packages_ready, share_cache
+from neuron_constrain.decoding.compiled import cache_names, compile_decoder, share_cache
 
 __all__ = ["CachedDecoder", "KVCache", "PrefillStep", "CachedStep", "export_decoder"]
 
@@ -414,6 +414,4 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     decoder = CachedDecoder(prefill, steps, tensors, max_batch, max_len, time.perf_counter() - start, pad_id,
                             sampled=sampled, logits_width=width,
                             embedding_rows=model.get_input_embeddings().weight.shape[0])
-    if compile == AUTO:
-        compile = "inductor" if packages_ready(decoder, package_dir) else None
     return decoder if compile is None else compile_decoder(decoder, compile, cache_dir=package_dir)
