@@ -28,6 +28,7 @@ import json
 import re
 from typing import Callable, Iterator
 
+from neuron_constrain.structured import patterns
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.constraints import ConstraintError
 
@@ -64,13 +65,17 @@ class Enforced:
 @dataclasses.dataclass(frozen=True)
 class Allowlist:
     """What one engine enforces: keywords with their conditions, the formats it has grammars for,
-    and the engine's own rewrites (``prepare``)."""
+    the regex features beyond the plain core it enforces with the referee's meaning
+    (``patterns.REFUSED`` names them; every engine gets the rewrites of ``patterns.REWRITES``),
+    how a JSON-schema pattern is handed to it, and the engine's own rewrites (``prepare``)."""
 
     engine: str
     entries: tuple[Enforced, ...]
     formats: frozenset
     rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (schema_rewrite.py)
     evidence: str = ""
+    regex: frozenset = frozenset()  # names of patterns.REFUSED this engine enforces exactly
+    pattern_form: str = ""  # in words, for the README's regex table
 
     def entry(self, keyword: str) -> Enforced | None:
         return next((e for e in self.entries if e.keyword == keyword), None)
@@ -220,7 +225,68 @@ def find(schema: dict, engine) -> list[Unenforced]:
             enforced_by = tuple(o.engine for o in others if o.why_not(keyword, node, schema) is None
                                 and not o.entry(keyword).engine_decides)
             found.append(Unenforced(keyword, f"{path}/{rewrite.escape(keyword)}", lists.engine, enforced_by, why))
+    for path, keyword, node, source in pattern_sites(schema):
+        if lists.why_not(keyword, node, schema) is not None:
+            continue  # the keyword itself is not enforced there: found above
+        feature = unenforced_feature(parse_pattern(source, path), lists)
+        if feature is not None:
+            enforced_by = tuple(o.engine for o in others if o.why_not(keyword, node, schema) is None
+                                and unenforced_feature(parse_pattern(source, path), o) is None)
+            why = (f"{feature.name} at offset {feature.offset} of the pattern {source!r}: "
+                   f"{patterns.REFUSED[feature.name]}")
+            found.append(Unenforced(keyword, path, lists.engine, enforced_by, why))
     return found
+
+
+# --------------------------------------------------------------------------- patterns
+def pattern_sites(schema) -> Iterator[tuple[str, str, dict, str]]:
+    """Every pattern of ``schema``: ``(JSON pointer, keyword, node, pattern)`` for each ``pattern``
+    and each ``patternProperties`` key (``propertyNames`` holds a schema: its ``pattern`` is found there)."""
+    for path, node in walk(schema):
+        if isinstance(node.get("pattern"), str):
+            yield f"{path}/pattern", "pattern", node, node["pattern"]
+        keyed = node.get("patternProperties")
+        if isinstance(keyed, dict):
+            for key in keyed:
+                yield f"{path}/patternProperties/{rewrite.escape(key)}", "patternProperties", node, key
+
+
+def parse_pattern(source: str, path: str) -> "patterns.Pattern":
+    """``patterns.parse``, its syntax error naming the pattern's JSON pointer."""
+    try:
+        return patterns.parse(source)
+    except ConstraintError as error:
+        raise ConstraintError(f"{error} (at {path})") from None
+
+
+def unenforced_feature(pattern, engine) -> "patterns.Feature | None":
+    """The first refused regex feature of ``pattern`` the engine does not enforce, or None."""
+    lists = allowlist(engine)
+    return next((f for f in pattern.features if f.refused and f.name not in lists.regex), None)
+
+
+def map_patterns(schema, rewrite_pattern: Callable[[str], "str | None"]):
+    """A copy of ``schema`` with each pattern ``p`` written ``rewrite_pattern(p)`` (None: dropped, for a
+    pattern the policy listed as unenforced). Two ``patternProperties`` keys written alike hold one
+    language: their schemas are kept as one ``allOf``."""
+    schema = json.loads(json.dumps(schema))
+    for _, node in walk(schema):
+        if isinstance(node.get("pattern"), str):
+            written = rewrite_pattern(node["pattern"])
+            if written is None:
+                del node["pattern"]
+            else:
+                node["pattern"] = written
+        keyed = node.get("patternProperties")
+        if isinstance(keyed, dict):
+            out: dict = {}
+            for key, sub in keyed.items():
+                written = rewrite_pattern(key)
+                if written is None:
+                    continue
+                out[written] = {"allOf": [out[written], sub]} if written in out else sub
+            node["patternProperties"] = out
+    return schema
 
 
 def _refusal(item: Unenforced, more: int) -> ConstraintError:
@@ -276,6 +342,20 @@ def guarantee_table() -> str:
             cells.append("refused" if entry is None else entry.where)
         rows.append(f"| `{keyword}` | {' | '.join(cells)} |")
     rows.append(f"| `format` names | {' | '.join(', '.join(sorted(lists[n].formats)) for n in names)} |")
+    return "\n".join(rows)
+
+
+def regex_table() -> str:
+    """The README's regex table: per feature of ``patterns``, what each engine gets."""
+    lists = allowlists()
+    names = sorted(lists)
+    rows = [f"| regex feature | {' | '.join(names)} |", "|---|" + "---|" * len(names),
+            f"| a JSON-schema pattern is handed over as | {' | '.join(lists[n].pattern_form for n in names)} |"]
+    for feature, how in patterns.REWRITES.items():
+        rows.append(f"| {feature} | {' | '.join('rewritten: ' + how for _ in names)} |")
+    for feature, why in patterns.REFUSED.items():
+        cells = ["enforced" if feature in lists[n].regex else "refused" for n in names]
+        rows.append(f"| {feature} ({why}) | {' | '.join(cells)} |")
     return "\n".join(rows)
 
 

@@ -21,8 +21,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from neuron_constrain.structured import keywords
+from neuron_constrain.structured import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
+from neuron_constrain.structured.pattern_text import constraint_regex, to_regex
 from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, fill_each
 from neuron_constrain.structured.engines.ebnf_to_lark import ebnf_to_lark, lark_chars
 from neuron_constrain.structured.engines.llguidance_tokenizer import import_llguidance, llguidance_tokenizer
@@ -52,6 +53,7 @@ ENFORCES = keywords.register(keywords.Allowlist(
     ),
     _FORMATS,
     evidence="llguidance's json_schema.md; tests/test_soundness.py (the differential test), llguidance 1.9.1",
+    pattern_form="`^(?:...)$` in the plain syntax (`pattern_text.to_regex`), over the string's characters",
 ))
 
 
@@ -72,6 +74,8 @@ class LLGuidanceEngine(GrammarEngine):
         llg, kind, spec = self._llg, constraint.kind, constraint.spec
         if kind == "json_schema":
             spec = keywords.without_unknown_formats(spec, self.name)  # listed by keywords.check, or annotations
+            if isinstance(spec, dict):
+                spec = keywords.map_patterns(spec, _pattern_regex)
             if constraint.strict:  # xgrammar's strict_mode, spelled in JSON schema
                 spec = _strict(spec)
             return llg.LLMatcher.grammar_from_json_schema(spec, overrides={**_json_options(constraint), **(options or {})})
@@ -79,7 +83,7 @@ class LLGuidanceEngine(GrammarEngine):
             return llg.LLMatcher.grammar_from_json_schema({"type": ["object", "array"]},
                                                           overrides={"whitespace_flexible": True})
         if kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(spec)
+            return llg.LLMatcher.grammar_from_regex(constraint_regex(spec, self.name, ENFORCES.regex))
         if kind == "choice":
             return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(lark_chars(o) for o in spec))
         if kind == "ebnf":
@@ -127,7 +131,23 @@ class LLGuidanceEngine(GrammarEngine):
                 f"llguidance could not compile this {constraint.kind} constraint ({message[:400]}); fix the "
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
+        self._listen(constraint, template, unenforced)
         return Compiled(self.name, original, template, unenforced)
+
+    def _listen(self, constraint: Constraint, template, unenforced) -> None:
+        """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,
+        an unknown format, ...): each must be one the policy listed (``unenforced="allow"``), else the
+        constraint is refused here rather than compiled with part of it ignored."""
+        for warning in template.get_grammar_warnings():
+            found, _ = (keywords.reported(constraint.spec, self.name, warning) if constraint.kind == "json_schema"
+                        else ([], ""))
+            listed = {(item.keyword, item.path) for item in unenforced}
+            if found and all((item.keyword, item.path) in listed for item in found):
+                continue
+            raise ConstraintError(
+                f"llguidance would not enforce part of this {constraint.kind} constraint (it warned: "
+                f"{' '.join(warning.split())[:300]}); refused on llguidance: use engine='xgrammar' or 'auto', or "
+                "remove what it ignores")
 
     def matcher(self, compiled: Compiled) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)
@@ -162,6 +182,15 @@ class LLGuidanceEngine(GrammarEngine):
         if matcher.is_terminated():
             return []
         return list(matcher.inner.compute_ff_tokens())  # llguidance leaves out a last token that may merge
+
+
+def _pattern_regex(source: str) -> str | None:
+    """A JSON-schema pattern as llguidance gets it: the plain full-match text, ``^(?:...)$`` (None: a
+    pattern the policy listed as unenforced, under ``unenforced="allow"``)."""
+    pattern = patterns.parse(source)
+    if keywords.unenforced_feature(pattern, ENFORCES) is not None:
+        return None
+    return to_regex(pattern, search=True, anchored=True)
 
 
 def _json_options(constraint: Constraint) -> dict:

@@ -15,11 +15,17 @@ JSON schema or a structural tag gets JSON's own string-character class instead.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
+import threading
 import weakref
 
 import xgrammar as xgr
 
+from neuron_constrain.structured import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
+from neuron_constrain.structured.pattern_text import constraint_regex, to_ebnf
 
 # xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this
 # class, which admits raw control characters (invalid JSON: "\x06" inside a string).
@@ -74,6 +80,39 @@ def _refused(constraint: Constraint, error: BaseException) -> ConstraintError:
     )
 
 
+_STDERR = threading.Lock()  # one capture of file descriptor 2 at a time
+
+
+def reported(build, *args, **kwargs):
+    """``build(*args, **kwargs)`` (an xgrammar grammar builder), refused if xgrammar writes a warning
+    while it runs. xgrammar's C++ side reports what it drops ("Lookahead assertion is not
+    supported and is ignored", "Anchor '^' in the middle of regex is ignored", ...) on stderr
+    and carries on; the library listens on file descriptor 2 for the call, so a warning becomes
+    a refusal on xgrammar (``auto`` then tries llguidance). What else was written there is
+    written back."""
+    with _STDERR:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                result = build(*args, **kwargs)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                sink.seek(0)
+                log = sink.read().decode("utf-8", "replace")
+    warnings = [line for line in log.splitlines() if "Warning" in line]
+    rest = "".join(line + "\n" for line in log.splitlines() if "Warning" not in line)
+    if rest:
+        sys.stderr.write(rest)
+    if warnings:
+        raise ConstraintError(
+            f"xgrammar would not enforce part of this constraint (it warned: {engine_message(warnings[0])}); "
+            "refused on xgrammar: use engine='llguidance' or 'auto', or remove what it ignores")
+    return result
+
+
 def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
     """``constraint`` compiled by ``compiler`` as given (the engine's keyword policy is
     ``XGrammarEngine.compile``'s); raises :class:`ConstraintError` (one line)."""
@@ -83,11 +122,11 @@ def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xg
         if constraint.kind == "json":
             return compiler.compile_builtin_json_grammar()
         if constraint.kind == "regex":
-            return compiler.compile_regex(constraint.spec)
+            return compiler.compile_grammar(reported(xgr.Grammar.from_regex, constraint_regex(constraint.spec, "xgrammar")))
         if constraint.kind in ("choice", "ebnf"):
-            return compiler.compile_grammar(constraint.grammar_text())
+            return compiler.compile_grammar(reported(xgr.Grammar.from_ebnf, constraint.grammar_text()))
         if constraint.kind == "structural_tag":
-            return compiler.compile_structural_tag(constraint.spec)
+            return compiler.compile_grammar(reported(xgr.Grammar.from_structural_tag, constraint.spec))
     except ConstraintError:
         raise
     except Exception as error:  # xgrammar raises RuntimeError/ValueError with its parser's message
@@ -95,17 +134,48 @@ def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xg
     raise ConstraintError(f"unknown constraint kind {constraint.kind!r}")
 
 
+_MARKER = "ncpattern{}x"  # what a pattern is while xgrammar converts the schema: kept as one Regex rule
+
+
+def _patterns_as_markers(schema) -> tuple[object, dict[str, str]]:
+    """``schema`` with each pattern replaced by a marker, and each marker's rule body: the pattern
+    as EBNF over the JSON-escaped text (``pattern_text.to_ebnf``). xgrammar's own reading of a
+    pattern is wrong in several ways (``patterns.py``); the markers let it place the rules."""
+    bodies: dict[str, str] = {}
+    markers: dict[str, str] = {}
+
+    def mark(source: str) -> str | None:
+        pattern = patterns.parse(source)
+        if keywords.unenforced_feature(pattern, "xgrammar") is not None:
+            return None  # the policy listed it as unenforced (unenforced="allow")
+        if source not in markers:
+            markers[source] = marker = f"^{_MARKER.format(len(markers))}$"
+            bodies[marker] = to_ebnf(pattern, search=True, json=True)
+        return markers[source]
+    return keywords.map_patterns(schema, mark) if isinstance(schema, dict) else schema, bodies
+
+
 def schema_grammar(constraint: Constraint) -> xgr.Grammar:
-    """The xgrammar grammar of a ``json_schema`` constraint, JSON string characters fixed."""
+    """The xgrammar grammar of a ``json_schema`` constraint: patterns written by the library, JSON
+    string characters fixed."""
+    spec, bodies = _patterns_as_markers(constraint.spec)
     try:
-        grammar = xgr.Grammar.from_json_schema(constraint.spec, strict_mode=constraint.strict,
-                                               **_whitespace_options(constraint))
+        grammar = reported(xgr.Grammar.from_json_schema, spec, strict_mode=constraint.strict,
+                           **_whitespace_options(constraint))
+    except ConstraintError:
+        raise
     except Exception as error:
         raise ConstraintError(
             f"xgrammar could not convert this JSON schema ({engine_message(error)}); fix the schema"
             + (" or pass strict=False" if constraint.strict else "")
         ) from error
     text = fixed = str(grammar)
+    for marker, body in bodies.items():
+        rule = f'Regex("{marker}", json_string=true)'
+        if rule not in fixed:
+            raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
+                                  "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
+        fixed = fixed.replace(rule, body)
     if LENGTH_STRING_CLASS in fixed:
         fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
     if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
@@ -118,9 +188,9 @@ def parse_constraint(constraint: Constraint) -> None:
     parser needs no vocabulary and takes microseconds; the token-mask compilation is what is slow."""
     try:
         if constraint.kind == "regex":
-            xgr.Grammar.from_regex(constraint.spec)
+            reported(xgr.Grammar.from_regex, constraint_regex(constraint.spec, "xgrammar"))
         elif constraint.kind in ("choice", "ebnf"):
-            xgr.Grammar.from_ebnf(constraint.grammar_text())
+            reported(xgr.Grammar.from_ebnf, constraint.grammar_text())
     except Exception as error:
         raise _refused(constraint, error) from error
 
