@@ -1,0 +1,214 @@
+"""JSON Schema draft 2020-12 conformance per keyword area, scored the JSONSchemaBench way.
+
+    python benchmarks/bench_conformance.py [--engines auto,xgrammar,llguidance] [--areas type,ref,...]
+        [--tokenizer toy|smollm2] [--json benchmarks/results/bench_conformance.json]
+
+The cases (``benchmarks/data/conformance/draft2020-12/<area>.json``, one file per keyword area of
+the standard test suite's draft2020-12 directory): groups of a schema, valid instances and invalid
+instances, written from the specification's text, each verdict jsonschema's
+(``tests/test_conformance_data.py``; ``format`` is an annotation, as 2020-12 has it by default).
+
+Per engine, a group counts when its schema compiles (``json_schema(schema, strict=False)`` through
+``engine.compile``: the path of ``testing.schemas.differential``) and, teacher-forced (``json.dumps``
+text in the tokenizer's own encoding, then a stop token), every valid instance is accepted and
+every invalid one rejected. The verdicts are the stored ones, not ``differential``'s judge (which
+asserts formats). Scoring rule for refusals: a refused group fails, except a group marked
+``refusal_ok``, which also counts when refused with a ``ConstraintError``: ``remote`` (a ``$ref``
+to a document the schema does not hold: nothing is fetched, so refusing is the only right answer)
+and ``unsatisfiable`` (no value is valid: nothing to generate). Area score: groups counted / groups;
+the headline is the mean over areas; ``oracle`` counts a group when any engine run gets it.
+Reported besides: invalid instances accepted (soundness holes; the target is 0, printed loudly),
+valid instances rejected, refusals by the keyword that stopped them, and the groups that both
+xgrammar and llguidance refuse (what no engine enforces). A measurement: the exit status is 0.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured.constraints import ConstraintError, json_schema
+from neuron_constrain.testing import force
+from timing import write_results
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "conformance" / "draft2020-12"
+# The standard test suite's tests/draft2020-12/*.json, one area each.
+AREAS = (
+    "additionalProperties", "allOf", "anchor", "anyOf", "boolean_schema", "const", "contains", "content",
+    "default", "defs", "dependentRequired", "dependentSchemas", "dynamicRef", "enum", "exclusiveMaximum",
+    "exclusiveMinimum", "format", "if-then-else", "infinite-loop-detection", "items", "maxContains", "maxItems",
+    "maxLength", "maxProperties", "maximum", "minContains", "minItems", "minLength", "minProperties", "minimum",
+    "multipleOf", "not", "oneOf", "pattern", "patternProperties", "prefixItems", "properties", "propertyNames",
+    "ref", "refRemote", "required", "type", "unevaluatedItems", "unevaluatedProperties", "uniqueItems", "vocabulary",
+)
+TOKENIZERS = ("toy", "smollm2")
+
+
+def load(areas=AREAS) -> dict[str, list[dict]]:
+    """The groups of each area in ``areas``, read from :data:`DATA`."""
+    unknown = [a for a in areas if a not in AREAS]
+    if unknown:
+        raise SystemExit(f"--areas: unknown {', '.join(unknown)}; pick from {', '.join(AREAS)}")
+    return {area: json.loads((DATA / f"{area}.json").read_text(encoding="utf-8"))["groups"] for area in areas}
+
+
+def load_tokenizer(name: str):
+    """The byte-level toy vocabulary, or SmolLM2's tokenizer from ``build/smollm2`` (converted on first use)."""
+    if name == "toy":
+        from neuron_constrain.testing import toy_tokenizer
+
+        return toy_tokenizer()
+    if name == "smollm2":
+        import transformers
+
+        from neuron_constrain.models import smollm2_dir
+        from neuron_constrain.structured import from_huggingface
+
+        return from_huggingface(transformers.AutoTokenizer.from_pretrained(smollm2_dir()))
+    raise SystemExit(f"--tokenizer {name!r}: pick one of {', '.join(TOKENIZERS)}")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One group on one engine."""
+
+    passed: bool
+    refused: str | None = None  # the keyword that stopped the compile ("compile error" when none is named)
+    reason: str = ""
+    invalid_accepted: list = dataclasses.field(default_factory=list)  # JSON texts
+    valid_rejected: list = dataclasses.field(default_factory=list)
+    error: str | None = None  # anything but a ConstraintError: a bug, counted as a failure
+
+
+UNNAMED = ("compile error", "false schema")  # refusals that name no keyword
+
+
+def stopped_by(error: ConstraintError) -> str:
+    """The keyword a refusal names (``keywords.Unenforced``), else one of :data:`UNNAMED`."""
+    unenforced = getattr(error, "unenforced", None)
+    if unenforced is not None:
+        return unenforced.keyword
+    return UNNAMED[1] if "the schema is `false`" in str(error) else UNNAMED[0]
+
+
+def run_group(engine, group: dict, encode) -> Outcome:
+    try:
+        compiled = engine.compile(json_schema(group["schema"], strict=False))
+    except ConstraintError as error:
+        return Outcome(bool(group.get("refusal_ok")), stopped_by(error), " ".join(str(error).split()))
+    except Exception as error:  # noqa: BLE001 - reported with the group, never hidden
+        return Outcome(False, error=f"compile: {type(error).__name__}: {error}")
+    outcome = Outcome(False)
+    try:
+        for expected, instances in ((True, group["valid"]), (False, group["invalid"])):
+            for instance in instances:
+                text = json.dumps(instance, ensure_ascii=False)
+                accepted = force(engine, compiled, encode(text))
+                if accepted and not expected:
+                    outcome.invalid_accepted.append(text)
+                elif expected and not accepted:
+                    outcome.valid_rejected.append(text)
+    except Exception as error:  # noqa: BLE001
+        outcome.error = f"force: {type(error).__name__}: {error}"
+    outcome.passed = outcome.error is None and not outcome.invalid_accepted and not outcome.valid_rejected
+    return outcome
+
+
+def measure(engines: dict, groups: dict[str, list[dict]], encode) -> dict[str, dict[str, Outcome]]:
+    """Per group id, per engine name, its :class:`Outcome`."""
+    return {group["id"]: {name: run_group(engine, group, encode) for name, engine in engines.items()}
+            for area_groups in groups.values() for group in area_groups}
+
+
+def summarize(groups: dict[str, list[dict]], outcomes: dict[str, dict[str, Outcome]], names: list[str]) -> dict:
+    """Scores per area and their means (engines and oracle), totals, holes, refusals by keyword."""
+    columns = names + ["oracle"]
+    passed = {gid: {**{n: o.passed for n, o in per.items()}, "oracle": any(o.passed for o in per.values())}
+              for gid, per in outcomes.items()}
+    counts = {c: {area: sum(passed[g["id"]][c] for g in area_groups) for area, area_groups in groups.items()}
+              for c in columns}
+    scores = {c: {area: counts[c][area] / len(groups[area]) for area in groups} for c in columns}
+    totals, holes, refusals = {}, {}, {}
+    for name in names:
+        per = {gid: o[name] for gid, o in outcomes.items()}
+        totals[name] = {"groups": len(per), "passed": sum(o.passed for o in per.values()),
+                        "refused": sum(o.refused is not None and not o.passed for o in per.values()),
+                        "invalid_accepted": sum(len(o.invalid_accepted) for o in per.values()),
+                        "valid_rejected": sum(len(o.valid_rejected) for o in per.values()),
+                        "errors": sum(o.error is not None for o in per.values())}
+        holes[name] = [{"group": gid, "instances": o.invalid_accepted} for gid, o in per.items() if o.invalid_accepted]
+        by_keyword = collections.defaultdict(list)
+        for gid, o in per.items():
+            if o.refused is not None and not o.passed:
+                by_keyword[o.refused].append(gid)
+        refusals[name] = dict(sorted(by_keyword.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+    both = collections.defaultdict(list)  # what neither engine takes, by the keyword llguidance (else xgrammar) named
+    if {"xgrammar", "llguidance"} <= set(names):
+        for gid, per in outcomes.items():
+            x, g = per["xgrammar"], per["llguidance"]
+            if x.refused is not None and g.refused is not None and not (x.passed or g.passed):
+                named = [k for k in (g.refused, x.refused) if k not in UNNAMED]
+                both[named[0] if named else g.refused].append({"group": gid, "llguidance": g.refused,
+                                                                "xgrammar": x.refused})
+    return {"passed": counts, "scores": scores, "means": {c: sum(s.values()) / len(s) for c, s in scores.items()}, "totals": totals,
+            "invalid_accepted": holes, "refused_by_keyword": refusals,
+            "refused_by_both": dict(sorted(both.items(), key=lambda kv: (-len(kv[1]), kv[0])))}
+
+
+def report(groups: dict[str, list[dict]], summary: dict, names: list[str]) -> None:
+    columns = names + ["oracle"]
+    print(f"{'area':<24} {'groups':>6} " + " ".join(f"{c:>10}" for c in columns))
+    for area, area_groups in groups.items():
+        n = len(area_groups)
+        cells = " ".join(f"{summary['passed'][c][area]:>6}/{n:<3}" for c in columns)
+        print(f"{area:<24} {n:>6} {cells}")
+    print(f"{'mean over areas':<31} " + " ".join(f"{summary['means'][c]:>10.3f}" for c in columns))
+    for name in names:
+        t = summary["totals"][name]
+        print(f"{name}: {t['passed']}/{t['groups']} groups; refused {t['refused']}; invalid instances accepted "
+              f"{t['invalid_accepted']}; valid instances rejected {t['valid_rejected']}; errors {t['errors']}")
+        print(f"  refused by keyword: " + ", ".join(f"{k} {len(v)}" for k, v in summary["refused_by_keyword"][name].items()))
+    if summary["refused_by_both"]:
+        print("refused by both xgrammar and llguidance (the keyword llguidance, else xgrammar, named): "
+              + ", ".join(f"{k} {len(v)}" for k, v in summary["refused_by_both"].items()))
+    for name in names:
+        for hole in summary["invalid_accepted"][name]:
+            print(f"!!! UNSOUND: {name} accepted invalid instances of {hole['group']}: {', '.join(hole['instances'])}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default=",".join(E.ENGINE_CHOICES), help="comma-separated engine choices")
+    parser.add_argument("--areas", default=",".join(AREAS), help="comma-separated keyword areas")
+    parser.add_argument("--tokenizer", default="toy", choices=TOKENIZERS)
+    parser.add_argument("--json", default="benchmarks/results/bench_conformance.json")
+    args = parser.parse_args(argv)
+    names = [n for n in args.engines.split(",") if n]
+    unknown = [n for n in names if n not in E.ENGINE_CHOICES]
+    if unknown or not names:
+        raise SystemExit(f"--engines: unknown {', '.join(unknown) or '(none given)'}; pick from {', '.join(E.ENGINE_CHOICES)}")
+    groups = load([a for a in args.areas.split(",") if a])
+    tokenizer = load_tokenizer(args.tokenizer)
+    engines = {name: E.make_engine(name, tokenizer) for name in names}
+    start = time.perf_counter()
+    outcomes = measure(engines, groups, tokenizer.encode)
+    summary = summarize(groups, outcomes, names)
+    report(groups, summary, names)
+    unsound = sum(summary["totals"][n]["invalid_accepted"] for n in names)
+    if unsound:
+        print(f"!!! {unsound} INVALID INSTANCES ACCEPTED (the target is 0): see the UNSOUND lines above")
+    seconds = time.perf_counter() - start
+    print(f"{len(outcomes)} groups in {len(groups)} areas, {seconds:.0f} s")
+    write_results({"tokenizer": args.tokenizer, "engines": names, "areas": list(groups), **summary,
+                   "groups": {gid: {n: dataclasses.asdict(o) for n, o in per.items()} for gid, per in outcomes.items()},
+                   "seconds": seconds}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
