@@ -1,5 +1,5 @@
 """neuron-constrain: compiler passes that make exported decoders grammar-constrainable."""
-from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.errors import EmptyMaskRowError, Error, InputError, TransformError
 from neuron_constrain.loading import LoadError, load
 from neuron_constrain.tap_interface import Tap
 from neuron_constrain.report import PassReport, TransformReport
@@ -15,6 +15,7 @@ __all__ = [
     "Backend",
     "Compiled",
     "EmptyMaskRowError",
+    "Error",
     "InputError",
     "LoadError",
     "PassReport",

@@ -41,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import TransformError
+from neuron_constrain.errors import Error, TransformError
 from neuron_constrain.passes.split_at_mask_pass import SplitReport, split_at_mask_pass
 from neuron_constrain.report import TransformReport
 from neuron_constrain.transform import Transformed
@@ -51,7 +51,7 @@ __all__ = ["HEAD_PASSES", "PipelineTimeout", "PipelinedStep", "Split", "split_st
 HEAD_PASSES = ("mask_logits", "process_logits")  # passes whose inputs the head takes
 
 
-class PipelineTimeout(TimeoutError):
+class PipelineTimeout(Error, TimeoutError):
     """The body (or its worker) did not finish within the step's ``timeout``."""
 
 
