@@ -1,5 +1,5 @@
 """neuron-constrain: compiler passes that make exported decoders grammar-constrainable."""
-from neuron_constrain.errors import EmptyMaskRowError, Error, InputError, TransformError
+from neuron_constrain.errors import EmptyMaskRowError, Error, InputError, PassError, TransformError
 from neuron_constrain.loading import LoadError, load
 from neuron_constrain.tap_interface import Tap
 from neuron_constrain.report import PassReport, TransformReport
@@ -18,6 +18,7 @@ __all__ = [
     "Error",
     "InputError",
     "LoadError",
+    "PassError",
     "PassReport",
     "Tap",
     "TransformError",

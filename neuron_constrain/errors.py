@@ -11,6 +11,16 @@ class TransformError(Error, ValueError):
     """A pass option or a model does not fit the graph (raised while transforming)."""
 
 
+class PassError(TransformError):
+    """A pass failed under the pass manager: it raised (the original error is the
+    ``__cause__``), or the program broke a condition its contract names. Says which pass
+    (``pass_name``) and which ran before it (``after``)."""
+
+    def __init__(self, message: str, pass_name: str, after: list[str]):
+        super().__init__(message)
+        self.pass_name, self.after = pass_name, list(after)
+
+
 class InputError(Error, ValueError):
     """A tensor fed to a transformed model has the wrong dtype, shape or device."""
 

@@ -133,7 +133,8 @@ def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = Non
     if not head_inputs:
         raise TransformError("split_step: the program has no logit-mask or processor inputs; transform it with "
                              "logit_mask='packed' (or processors=...) first, or pass head_inputs=")
-    body, head, report = split_at_mask_pass(transformed.program, head_inputs, cut=cut)
+    result = split_at_mask_pass(transformed.program, head_inputs, cut=cut)
+    body, head, report = result.program, result.programs["head"], result.report
     names = set(head_inputs)
     body_t = Transformed(body, _partial_report(transformed.report, lambda n: n not in names, keep_outputs=False))
     head_t = Transformed(head, _partial_report(transformed.report, lambda n: n in names, keep_outputs=True))
