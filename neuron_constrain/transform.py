@@ -90,7 +90,7 @@ class Transformed(torch.nn.Module):
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
         return bindings, device
 
-    @staticmethod  # also feeds the graphs of neuron_constrain.backend
+    @staticmethod  # also feeds the graphs of the torch.compile backend (decoding/dynamo_backend.py)
     def _feed(info: AddedInput, value, bindings: dict, device: torch.device) -> torch.Tensor:
         shape = info.shape_for(bindings)
         if value is None and info.tap is not None:
