@@ -1,29 +1,31 @@
 """neuron-constrain: compiler passes that make exported decoders grammar-constrainable."""
-from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.errors import EmptyMaskRowError, Error, InputError, PassError, TransformError
 from neuron_constrain.loading import LoadError, load
 from neuron_constrain.tap_interface import Tap
 from neuron_constrain.report import PassReport, TransformReport
 from neuron_constrain.transform import Transformed, transform
-# nc.backend is the submodule decoding/backend.py, callable as the factory: nc.backend(inner=...)
-# and nc.backend.default_backend both work.
-from neuron_constrain.decoding import backend
-from neuron_constrain.decoding.backend import Backend, Compiled, compile
+# the torch.compile backend: nc.compile(model, ...), nc.backend(inner=...) (a Backend), and
+# nc.default_backend, registered with dynamo as backend="neuron_constrain"
+from neuron_constrain.decoding.dynamo_backend import Backend, TorchCompiled, backend, compile, default_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
-    "Compiled",
     "EmptyMaskRowError",
+    "Error",
     "InputError",
     "LoadError",
+    "PassError",
     "PassReport",
     "Tap",
     "TransformError",
+    "TorchCompiled",
     "TransformReport",
     "Transformed",
     "backend",
     "compile",
+    "default_backend",
     "load",
     "transform",
 ]

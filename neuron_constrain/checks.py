@@ -281,6 +281,12 @@ def _kwarg_order(program, kwargs: dict) -> list[str]:
     return [k for k in spec_kwargs if k in kwargs]
 
 
+# ops that read only a tensor's sizes: reading the computed value's size (sequence_parallel's
+# slice of the replacement) does not bypass the tap
+_SIZE_ONLY = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+              torch.ops.aten.sym_storage_offset.default}
+
+
 def check_taps(program) -> list[str]:
     """Every tap input pair feeds a ``where(enabled, replacement, computed)`` that all
     readers of the computed value go through (capture outputs excepted)."""
@@ -305,7 +311,8 @@ def check_taps(program) -> list[str]:
             failures.append(f"tap {name}: no where({name}_enabled, {name}, computed) node; the replacement is never used")
             continue
         computed = wheres[0].args[2]
-        bypass = [u.name for u in computed.users if u is not wheres[0] and u.op != "output"]
+        bypass = [u.name for u in computed.users
+                  if u is not wheres[0] and u.op != "output" and u.target not in _SIZE_ONLY]  # a size is no value
         if bypass:
             failures.append(
                 f"tap {name}: {', '.join(bypass)} read{'s' if len(bypass) == 1 else ''} {computed.name} directly, "
@@ -329,9 +336,11 @@ def depends_on(node, source) -> bool:
 
 # ----------------------------------------------------------------------------- pass contracts
 
+_REWRITTEN = "the pass was applied already; transform the original model or program, not its rewrite"
+
 def _untapped(program) -> list[str]:
     tapped = [n for n in user_input_names(program) if is_tap_input(n)]
-    return [f"the program already has tap inputs {tapped}"] if tapped else []
+    return [f"the program already has tap inputs {tapped}: {_REWRITTEN}"] if tapped else []
 
 
 def _taps_reach_readers(program) -> list[str]:
@@ -342,7 +351,7 @@ def _taps_reach_readers(program) -> list[str]:
 
 def _unmasked(program) -> list[str]:
     masks = sorted(mask_inputs(program))
-    return [f"the program already has mask inputs {masks}"] if masks else []
+    return [f"the program already has mask inputs {masks}: {_REWRITTEN}"] if masks else []
 
 
 def _every_site_masked(program) -> list[str]:
@@ -353,12 +362,13 @@ def _every_site_masked(program) -> list[str]:
 
 def _unprocessed(program) -> list[str]:
     present = [n for n in user_input_names(program) if n in BUILTIN_INPUTS]
-    return [f"the program already has processor inputs {present}"] if present else []
+    return [f"the program already has processor inputs {present}: {_REWRITTEN}"] if present else []
 
 
 def _full_vocabulary(program) -> list[str]:
     if RANK_INPUT in user_input_names(program):
-        return [f"the program's logits are one rank's vocab shard (it has a {RANK_INPUT!r} input)"]
+        return [f"the program's logits are one rank's vocab shard (it has a {RANK_INPUT!r} input); the pass needs the "
+                "full vocabulary: run it on an unsharded step, or transform with tp_degree=1"]
     return []
 
 

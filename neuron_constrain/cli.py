@@ -29,13 +29,15 @@ import sys
 import time
 import warnings
 
+from neuron_constrain.errors import Error, InputError, TransformError
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Passes `rewrite --passes` can run, in the order they run (their former names are taken too).
 PASSES = ("tap_modules", "mask_logits")
 
 
-class UsageError(Exception):
+class UsageError(Error):
     """Bad usage or unreadable input: reported as one line, exit 2."""
 
 
@@ -168,7 +170,7 @@ def _rewrite(args: argparse.Namespace) -> int:
 
     import torch
 
-    from neuron_constrain import TransformError, transform
+    from neuron_constrain import transform
 
     with progress.step("rewriting"):
         try:
@@ -296,7 +298,6 @@ def _localize(args: argparse.Namespace) -> int:
     for path in (args.json, args.plot):
         if path is not None:
             _check_output_dir(path)
-    from neuron_constrain.errors import InputError, TransformError
     from neuron_constrain.loading import LoadError
     from neuron_constrain.replacement.files import load_captures
     from neuron_constrain.replacement.localize import LOGITS, load_tapped, localize

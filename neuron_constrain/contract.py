@@ -1,35 +1,52 @@
-"""What a pass declares about itself: its one name, its options, what it requires of
-the program it gets and what it ensures of the program it returns (in the spirit of
-torch's ``PassBase.requires`` / ``ensures``).
+"""What a pass declares about itself and what it returns: its one name, its options, what
+it requires of the program it gets and ensures of the one it returns, which passes it runs
+after (in the spirit of torch's ``PassBase.requires`` / ``ensures``), and :class:`PassResult`.
 
-One name: ``passes/<name>_pass.py`` defines ``<name>_pass``, and ``transform()`` files
-its report under ``<name>``. ``requires`` / ``ensures`` name conditions that
-:func:`neuron_constrain.checks.check_contract` checks on a program; ``transform()``
-runs its declared, ordered list of passes (``transform.PASSES``), handing each the
-options it declares, so an option two passes share (``empty_row``) is given once::
+One name: ``passes/<name>_pass.py`` defines ``<name>_pass``, and its report is filed under
+``<name>``. ``requires`` / ``ensures`` name conditions of ``checks.CONDITIONS``; the pass
+manager (``neuron_constrain.pass_manager``) checks them around the pass, orders a list of
+passes by ``after`` / ``before``, and hands each the options it declares, so an option two
+passes share (``empty_row``) is given once::
 
     @declares(PassContract(name="mask_logits", switch="mask_format",
                            options=("mask_format", "vocab_size", "empty_row", "tp_degree"),
-                           requires=("unmasked",), ensures=("every_site_masked",)))
-    def mask_logits_pass(program, *, mask_format="packed", ...): ...
+                           requires=("unmasked",), ensures=("every_site_masked",), after=("tap_modules",)))
+    def mask_logits_pass(program, *, mask_format="packed", ...) -> PassResult: ...
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
-__all__ = ["PassContract", "declares"]
+from torch.export import ExportedProgram
+
+from neuron_constrain.report import PassReport
+
+__all__ = ["PassContract", "PassResult", "declares"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PassContract:
-    """``switch``: the option whose ``None`` leaves the pass out of ``transform()``."""
+    """``switch``: the option whose ``None`` leaves the pass out of a run. ``after`` /
+    ``before``: names of passes this one runs after / before when both are in a list."""
 
     name: str
-    options: tuple[str, ...]
+    options: tuple[str, ...] = ()
     switch: str | None = None
     requires: tuple[str, ...] = ()
     ensures: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What every pass returns: the program it made, its report, and any programs it made
+    beside it, by name (the split: the body is ``program``, ``programs["head"]`` the head)."""
+
+    program: ExportedProgram
+    report: PassReport
+    programs: dict[str, ExportedProgram] = dataclasses.field(default_factory=dict)
 
 
 def declares(contract: PassContract) -> Callable:

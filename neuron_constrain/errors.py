@@ -1,15 +1,31 @@
-"""Errors that name the problem and the fix."""
+"""Errors that name the problem and the fix, and :class:`Error`, the base of every
+error the library raises on purpose (``except neuron_constrain.Error`` catches each; each
+also keeps its builtin base, ``ValueError``, ``TimeoutError``..., where callers rely on it)."""
 
 
-class TransformError(ValueError):
+class Error(Exception):
+    """Base of every error neuron-constrain raises on purpose."""
+
+
+class TransformError(Error, ValueError):
     """A pass option or a model does not fit the graph (raised while transforming)."""
 
 
-class InputError(ValueError):
+class PassError(TransformError):
+    """A pass failed under the pass manager: it raised (the original error is the
+    ``__cause__``), or the program broke a condition its contract names. Says which pass
+    (``pass_name``) and which ran before it (``after``)."""
+
+    def __init__(self, message: str, pass_name: str, after: list[str]):
+        super().__init__(message)
+        self.pass_name, self.after = pass_name, list(after)
+
+
+class InputError(Error, ValueError):
     """A tensor fed to a transformed model has the wrong dtype, shape or device."""
 
 
-class EmptyMaskRowError(RuntimeError):
+class EmptyMaskRowError(Error, RuntimeError):
     """A logit mask row allows no token, so no token can be chosen for it."""
 
     def __init__(self, rows, mask: str = "logit_mask"):

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from neuron_constrain.errors import Error
 from neuron_constrain.kernels import (
     apply_logit_bias,
     apply_min_tokens_and_logit_bias,
@@ -49,7 +50,7 @@ class RequestParams:
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-class ProcessorError(ValueError):
+class ProcessorError(Error, ValueError):
     """A processor name, definition or per-request parameter is not usable."""
 
 

@@ -13,14 +13,16 @@ from neuron_constrain.tap_context import record_captures, tap_input
 from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import mask_logits_pass, process_logits_pass, tap_modules_pass
 from neuron_constrain.mask_interface import is_empty_output
+from neuron_constrain.pass_manager import PassManager
 from neuron_constrain.processor_interface import DEFAULT_WIDTHS
 from neuron_constrain.report import AddedInput, TransformReport, unsizable
 from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
 
 __all__ = ["PASSES", "transform", "Transformed"]
 
-# The passes transform() runs, in order. Each gets the options its contract declares
-# (one value of an option two passes share) and is left out when its switch is None.
+# The passes transform() runs, through the pass manager: their contracts order them, each
+# gets the options it declares (one value of an option two passes share) and is left out
+# when its switch is None.
 PASSES = (tap_modules_pass, mask_logits_pass, process_logits_pass)
 
 
@@ -88,7 +90,7 @@ class Transformed(torch.nn.Module):
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
         return bindings, device
 
-    @staticmethod  # also feeds the graphs of neuron_constrain.backend
+    @staticmethod  # also feeds the graphs of the torch.compile backend (decoding/dynamo_backend.py)
     def _feed(info: AddedInput, value, bindings: dict, device: torch.device) -> torch.Tensor:
         shape = info.shape_for(bindings)
         if value is None and info.tap is not None:
@@ -252,6 +254,7 @@ def transform(
     max_penalty_tokens: int = DEFAULT_WIDTHS["max_penalty_tokens"],
     num_speculative_tokens: int = 0,
     strict: bool = False,
+    check_contracts: bool = True,
 ) -> Transformed:
     """Export ``model`` (unless it is already an ``ExportedProgram``) and rewrite it.
 
@@ -270,13 +273,14 @@ def transform(
     ``max_stop_tokens`` / ``max_bias_tokens`` / ``max_penalty_tokens``: their fixed
     per-row widths (stop ids, biased ids, distinct seen tokens);
     ``num_speculative_tokens`` > 0 allows only "min_tokens".
+    ``check_contracts``: check each pass's ``requires`` / ``ensures`` around it
+    (:class:`~neuron_constrain.pass_manager.PassManager`); off saves their graph walks.
     """
     for option, value in (("taps", taps), ("processors", processors)):
         if isinstance(value, str):
             raise TransformError(f"{option}={value!r} is a string; pass a list: {option}=[{value!r}]")
     _check_vocab_size(vocab_size)
     taps = as_taps(taps)
-    report = TransformReport()
     start = time.perf_counter()
     if isinstance(model, ExportedProgram):
         program = model
@@ -292,20 +296,16 @@ def transform(
                 model, tuple(example_inputs), kwargs=example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
                 preserve_module_call_signature=tapped,
             )
-    report.export_seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    export_seconds = time.perf_counter() - start
     options = {
         "taps": taps or None, "sequence_parallel": sequence_parallel,
         "mask_format": logit_mask, "vocab_size": vocab_size, "empty_row": empty_row, "tp_degree": tp_degree,
         "processors": processors, "max_stop_tokens": max_stop_tokens, "max_bias_tokens": max_bias_tokens,
         "max_penalty_tokens": max_penalty_tokens, "num_speculative_tokens": num_speculative_tokens,
     }
-    for run in PASSES:
-        contract = run.contract
-        if options[contract.switch] is not None:
-            program, report.passes[contract.name] = run(program, **{o: options[o] for o in contract.options})
-    report.transform_seconds = time.perf_counter() - start
-    return Transformed(program, report)
+    result = PassManager(PASSES, check=check_contracts).run(program, **options)
+    result.report.export_seconds = export_seconds
+    return Transformed(result.program, result.report)
 
 
 def _check_vocab_size(vocab_size) -> None:

@@ -1,9 +1,10 @@
 """Graph rewrites, one per file: ``<name>_pass.py`` defines ``<name>_pass``, whose
 :class:`~neuron_constrain.contract.PassContract` (``fn.contract``) declares that one
-name (the report key too), its options, what it requires and what it ensures. Each is
-``program -> (program, PassReport)``, except the split, which cuts one program into
-two: ``program -> (body, head, SplitReport)``. ``transform()`` runs the first three
-in this order (``transform.PASSES``); the split cuts its result (``pipeline.split_step``):
+name (the report key too), its options, what it requires and ensures, and the passes
+it runs after. Each is ``program -> PassResult(program, report, programs)``; the split
+cuts one program into two (``PassResult(body, SplitReport, {"head": head})``).
+``transform()`` runs the first three (``transform.PASSES``, in the order their contracts
+give: the list below); the split cuts its result (``pipeline.split_step``):
 
     tap_modules_pass.py     reference tensors may replace named modules' outputs
     mask_logits_pass.py     a logit_mask input per head, applied before sampling

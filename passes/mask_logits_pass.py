@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from neuron_constrain.contract import PassContract, declares
+from neuron_constrain.contract import PassContract, PassResult, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import apply_bitmask, empty_rows, packed_width
 from neuron_constrain.mask_interface import (
@@ -75,7 +75,7 @@ from neuron_constrain.sites import describe_head, module_path, plan_logits, weig
 MASK_FORMATS = ("packed", "bool")
 CONTRACT = PassContract(name="mask_logits", switch="mask_format",
                         options=("mask_format", "vocab_size", "empty_row", "tp_degree"),
-                        requires=("unmasked",), ensures=("every_site_masked",))
+                        requires=("unmasked",), ensures=("every_site_masked",), after=("tap_modules",))
 
 
 def mask_pass_adds(name: str) -> bool:
@@ -91,7 +91,7 @@ def mask_logits_pass(
     vocab_size: int | None = None,
     empty_row: str | int = "flag",
     tp_degree: int = 1,
-) -> tuple[ExportedProgram, PassReport]:
+) -> PassResult:
     if mask_format not in MASK_FORMATS:
         raise TransformError(f"logit_mask={mask_format!r} is not a mask format; use one of {MASK_FORMATS} or None")
     refuse_if_present(program, [MASK_INPUT], pass_name="logit-mask")
@@ -167,7 +167,7 @@ def mask_logits_pass(
         if plan.sites and any(o in plan.points for o in editor.user_output_nodes()):
             report.notes.append("the raw logits are also returned unmasked (for logprobs); the sampler sees masked logits")
     report.nodes_inserted = len(editor.inserted)
-    return editor.build(), report
+    return PassResult(editor.build(), report)
 
 
 def _mask_kernel(vocab: int, fallback: int | None):

@@ -76,7 +76,7 @@ from typing import Sequence
 import torch
 from torch.export import ExportedProgram
 
-from neuron_constrain.contract import PassContract, declares
+from neuron_constrain.contract import PassContract, PassResult, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.kernels import allow_token_in_empty_rows, no_token_rows
 from neuron_constrain.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empty_row
@@ -102,7 +102,7 @@ CONTRACT = PassContract(
     name=PASS_NAME, switch="processors",
     options=("processors", "vocab_size", "empty_row", "max_stop_tokens", "max_bias_tokens", "max_penalty_tokens",
              "num_speculative_tokens"),
-    requires=("unprocessed", "full_vocabulary"), ensures=("processors_reach_sites",),
+    requires=("unprocessed", "full_vocabulary"), ensures=("processors_reach_sites",), after=("mask_logits",),
 )
 
 
@@ -142,7 +142,7 @@ def process_logits_pass(
     max_bias_tokens: int = DEFAULT_WIDTHS["max_bias_tokens"],
     max_penalty_tokens: int = DEFAULT_WIDTHS["max_penalty_tokens"],
     num_speculative_tokens: int = 0,
-) -> tuple[ExportedProgram, PassReport]:
+) -> PassResult:
     try:
         procs = resolve_processors(processors, num_speculative_tokens=num_speculative_tokens)
     except ProcessorError as exc:
@@ -293,7 +293,7 @@ def process_logits_pass(
                 "not inserted; the host sampler applies them"
             )
     report.nodes_inserted = len(editor.inserted)
-    return editor.build(), report
+    return PassResult(editor.build(), report)
 
 
 def _origin(site, sampling_inputs) -> torch.fx.Node | None:

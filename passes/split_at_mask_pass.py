@@ -45,10 +45,11 @@ a non-tensor value other than a size crossing the cut, and a program where no ou
 depends on the head inputs.
 
 Requires ``has_head_inputs`` (a mask or processor input, which the passes add as
-keywords). It returns two programs, so no condition on one program states what it
-ensures; ``tests/test_split.py`` checks ``head(*body(...))`` against the step.
+keywords) and runs after the passes that add them. It returns two programs, so no
+condition on one program states what it ensures; ``tests/test_split.py`` checks
+``head(*body(...))`` against the step.
 
-Returns ``(body, head, SplitReport)``. Both are plain ``ExportedProgram``s of the
+Returns ``PassResult(body, SplitReport, {"head": head})``. Both are plain ``ExportedProgram``s of the
 original aten ops (they save, load and run without this library); the report lists
 the cut values, the head's ops and the bytes it takes per call (cut values plus
 head inputs, at the exported sizes).
@@ -64,20 +65,22 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.contract import PassContract, declares
+from neuron_constrain.contract import PassContract, PassResult, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.program import ProgramEditor, user_input_names
+from neuron_constrain.report import PassReport
 from neuron_constrain.sites import projections
 
 __all__ = ["CONTRACT", "SplitReport", "split_at_mask_pass"]
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 CUTS = ("logits", "hidden")
-CONTRACT = PassContract(name="split_at_mask", options=("head_inputs", "cut"), requires=("has_head_inputs",))
+CONTRACT = PassContract(name="split_at_mask", options=("head_inputs", "cut"), requires=("has_head_inputs",),
+                        after=("tap_modules", "mask_logits", "process_logits"))
 
 
-@dataclasses.dataclass
-class SplitReport:
+@dataclasses.dataclass(kw_only=True)
+class SplitReport(PassReport):
     """What the split cut: values crossing it, and the head's size."""
 
     cut: list[dict]  # {"name", "dtype", "shape"}: body outputs = head's positional inputs
@@ -87,7 +90,6 @@ class SplitReport:
     head_bytes_in: int  # per call, at the exported sizes: cut values + head keyword inputs
     head_state: list[str]  # parameters / buffers / constants the head holds a copy of
     rebuilt: list[str]  # input-free code and sizes recomputed in the head instead of shipped
-    notes: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         lines = [f"split: body {self.body_ops} ops | head {self.head_ops} ops, {self.head_bytes_in} bytes in per call"]
@@ -194,7 +196,7 @@ def _copy_nodes(graph: torch.fx.Graph, nodes, env: dict) -> None:
 @declares(CONTRACT)
 def split_at_mask_pass(
     program: ExportedProgram, head_inputs: Sequence[str], *, cut: str = "logits"
-) -> tuple[ExportedProgram, ExportedProgram, SplitReport]:
+) -> PassResult:
     if cut not in CUTS:
         raise TransformError(f"split_at_mask: cut={cut!r}; use one of {CUTS} (after the lm_head, or before it)")
     head_inputs = list(dict.fromkeys(head_inputs))
@@ -300,6 +302,7 @@ def split_at_mask_pass(
     head = _build_head(program, cut, kw_names, state, rebuilt, sizes, head_nodes, user_outs, examples)
     body = _build_body(program, head_inputs, cut, args_index, kwargs_index)
     report = SplitReport(
+        name=CONTRACT.name,
         cut=[{"name": n.name, "dtype": n.meta["val"].dtype, "shape": tuple(n.meta["val"].shape)} for n in cut],
         head_inputs=kw_names,
         head_ops=sum(n.op == "call_function" for n in head.graph.nodes),
@@ -310,7 +313,7 @@ def split_at_mask_pass(
     )
     if passthrough:
         report.notes.append("body inputs the head reads too: " + ", ".join(n.name for n in passthrough))
-    return body, head, report
+    return PassResult(body, report, {"head": head})
 
 
 def _build_head(program, cut, kw_names, state, rebuilt, sizes, head_nodes, user_outs, examples) -> ExportedProgram:

@@ -45,7 +45,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, TensorArgument
 
-from neuron_constrain.contract import PassContract, declares
+from neuron_constrain.contract import PassContract, PassResult, declares
 from neuron_constrain.errors import TransformError
 from neuron_constrain.program import ProgramEditor, user_input_names, wheres_fed_by
 from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
@@ -99,7 +99,7 @@ def _module_outputs(editor: ProgramEditor, path: str) -> list[torch.fx.Node | No
 @declares(CONTRACT)
 def tap_modules_pass(
     program: ExportedProgram, taps: Sequence[str | Tap], *, sequence_parallel: int = 1
-) -> tuple[ExportedProgram, PassReport]:
+) -> PassResult:
     taps = as_taps(taps)
     if not taps:
         raise TransformError("taps is empty: name at least one module pattern, e.g. 'model.layers.*.mlp.router'")
@@ -138,7 +138,7 @@ def tap_modules_pass(
                 report.notes.append(f"{name}: module returns {len(outputs)} values, tapped output 0 (use ':N' for others)")
             _insert_tap(editor, report, tap, name, value, rank, sequence_parallel)
     report.nodes_inserted = len(editor.inserted)
-    return editor.build(), report
+    return PassResult(editor.build(), report)
 
 
 def _insert_tap(editor, report, tap: Tap, name: str, value, rank, world: int) -> None:

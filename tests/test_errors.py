@@ -3,6 +3,8 @@ thing and the fix; each case here was reproduced as a bare torch error or a sile
 acceptance before (issue 12)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import sympy
 import torch
@@ -128,10 +130,9 @@ def test_compiled_model_names_a_misspelled_keyword(model):
 
 
 def test_the_documented_default_backend_line_works():
-    import neuron_constrain
-
-    assert isinstance(neuron_constrain.backend.default_backend, nc.Backend)
-    assert isinstance(nc.backend(inner="eager", vocab_size=VOCAB), nc.Backend)  # and the factory
+    assert isinstance(nc.default_backend, nc.Backend) and nc.default_backend.inner == "inductor"
+    assert isinstance(nc.backend(inner="eager", vocab_size=VOCAB), nc.Backend)  # and the factory, a plain function
+    assert inspect.isfunction(nc.backend) and not hasattr(nc, "Compiled")  # no callable module; TorchCompiled
 
 
 def test_rewrite_refuses_tp_degree_zero(tmp_path, model):
@@ -179,3 +180,65 @@ def test_compile_masks_a_decoder_called_with_grad_enabled(model):
     tokens = compiled(random_ids(2, 4, VOCAB), logit_mask=pack_bool_mask(allowed))
     assert tokens.tolist() == [11, 11] and len(compiled.backend.reports) == 1
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- one error family
+
+# Each error's builtin base, kept under neuron_constrain.Error (callers catch ValueError etc.).
+BUILTIN_BASES = {
+    "TransformError": ValueError, "CheckError": ValueError, "InputError": ValueError, "LoadError": ValueError,
+    "ProcessorError": ValueError, "ConstraintError": ValueError, "TokenizerInfoError": ValueError,
+    "StructuredOutputsDisabledError": ValueError, "BatchLayoutError": ValueError, "ConfigError": ValueError,
+    "GrammarFailedError": ValueError, "DisallowedTokenError": ValueError, "NoAllowedTokenError": ValueError,
+    "EmptyMaskRowError": RuntimeError, "ModelNotInstalledError": RuntimeError, "GrammarFillError": RuntimeError,
+    "MissingDependencyError": ImportError, "PipelineTimeout": TimeoutError, "FillTimeout": TimeoutError,
+    "RequestFailedError": Exception, "UsageError": Exception,
+}
+
+
+def _library_exceptions() -> dict[str, type]:
+    """Every exception class the package's modules define, found by importing each module of
+    the source tree (the vLLM plugin's modules need vLLM: read, not imported, in other lanes)."""
+    import ast
+    import importlib
+    import pathlib
+
+    from neuron_constrain.vllm import vllm_version
+
+    root = pathlib.Path(nc.__file__).resolve().parent.parent
+    folders = {"neuron_constrain": root / "neuron_constrain", "neuron_constrain.passes": root / "passes",
+               "neuron_constrain.kernels": root / "kernels"}
+    found = {}
+    for package, folder in folders.items():
+        for path in sorted(folder.rglob("*.py")):
+            module = ".".join((package, *path.relative_to(folder).with_suffix("").parts)).removesuffix(".__init__")
+            if module.endswith("__main__"):
+                continue  # runs the CLI
+            try:
+                loaded = importlib.import_module(module)
+            except (RuntimeError, ImportError):  # a plugin module that imports vLLM, in a lane without it
+                assert module.startswith("neuron_constrain.vllm.") and vllm_version() is None, module
+                classes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]
+                raising = [c.name for c in classes if any(ast.unparse(b).endswith(("Error", "Exception", "Timeout"))
+                                                          for b in c.bases)]
+                assert not raising, f"{module} (imported only with vLLM) defines {raising}: define errors where they import"
+                continue
+            for value in vars(loaded).values():
+                if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module:
+                    found[f"{module}.{value.__qualname__}"] = value
+    return found
+
+
+@pytest.mark.torch_agnostic
+def test_every_library_error_is_a_neuron_constrain_error_and_keeps_its_builtin_base():
+    found = _library_exceptions()
+    names = {cls.__name__ for cls in found.values()}
+    assert set(BUILTIN_BASES) <= names, f"not found by the walk: {set(BUILTIN_BASES) - names}"
+    outside = [name for name, cls in found.items() if not issubclass(cls, nc.Error)]
+    assert not outside, f"errors outside the family (derive them from neuron_constrain.Error): {outside}"
+    for name, cls in found.items():
+        assert issubclass(cls, BUILTIN_BASES.get(cls.__name__, Exception)), f"{name} lost its builtin base"
+        try:
+            raise cls.__new__(cls)  # the class decides what `except` matches, not the constructor's arguments
+        except nc.Error as caught:
+            assert type(caught) is cls

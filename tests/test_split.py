@@ -159,7 +159,8 @@ def test_both_halves_save_load_and_run_without_the_library(tmp_path):
     transformed = fresh(cached_step("llama", False, True))
     unsplit_path = tmp_path / "step.pt2"
     torch.export.save(transformed.program, unsplit_path)  # before any step: the cache is zeros
-    body, head, _ = split_at_mask_pass(transformed.program, [i.name for i in transformed.report.inputs_added])
+    result = split_at_mask_pass(transformed.program, [i.name for i in transformed.report.inputs_added])
+    body, head = result.program, result.programs["head"]
     torch.export.save(body, tmp_path / "body.pt2")
     torch.export.save(head, tmp_path / "head.pt2")
     generator = torch.Generator().manual_seed(1)

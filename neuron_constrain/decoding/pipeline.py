@@ -41,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import TransformError
+from neuron_constrain.errors import Error, TransformError
 from neuron_constrain.passes.split_at_mask_pass import SplitReport, split_at_mask_pass
 from neuron_constrain.report import TransformReport
 from neuron_constrain.transform import Transformed
@@ -51,7 +51,7 @@ __all__ = ["HEAD_PASSES", "PipelineTimeout", "PipelinedStep", "Split", "split_st
 HEAD_PASSES = ("mask_logits", "process_logits")  # passes whose inputs the head takes
 
 
-class PipelineTimeout(TimeoutError):
+class PipelineTimeout(Error, TimeoutError):
     """The body (or its worker) did not finish within the step's ``timeout``."""
 
 
@@ -133,7 +133,8 @@ def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = Non
     if not head_inputs:
         raise TransformError("split_step: the program has no logit-mask or processor inputs; transform it with "
                              "logit_mask='packed' (or processors=...) first, or pass head_inputs=")
-    body, head, report = split_at_mask_pass(transformed.program, head_inputs, cut=cut)
+    result = split_at_mask_pass(transformed.program, head_inputs, cut=cut)
+    body, head, report = result.program, result.programs["head"], result.report
     names = set(head_inputs)
     body_t = Transformed(body, _partial_report(transformed.report, lambda n: n not in names, keep_outputs=False))
     head_t = Transformed(head, _partial_report(transformed.report, lambda n: n in names, keep_outputs=True))

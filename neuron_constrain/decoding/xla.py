@@ -34,6 +34,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from neuron_constrain.errors import Error
+
 __all__ = [
     "HloLowering",
     "HloParameter",
@@ -54,7 +56,7 @@ INSTALL_HINTS = {
 }
 
 
-class MissingDependencyError(ImportError):
+class MissingDependencyError(Error, ImportError):
     """An optional package a function needs (torch-xla, torch-neuronx) is not installed."""
 
 

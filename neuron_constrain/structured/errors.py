@@ -15,18 +15,19 @@ from __future__ import annotations
 
 from typing import Hashable
 
+from neuron_constrain.errors import Error
 from neuron_constrain.structured.constraints import ConstraintError
 
 
-class StructuredOutputsDisabledError(ValueError):
+class StructuredOutputsDisabledError(Error, ValueError):
     """A constrained request reached a model transformed without a logit mask."""
 
 
-class BatchLayoutError(ValueError):
+class BatchLayoutError(Error, ValueError):
     """A batch layout names an unknown or repeated request, or needs more rows than the buffer has."""
 
 
-class RequestFailedError(Exception):
+class RequestFailedError(Error):
     """One request's failure: it names the request (``request_id``) and fails it alone."""
 
     def __init__(self, message: str, request_id: Hashable):

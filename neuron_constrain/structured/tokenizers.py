@@ -34,6 +34,7 @@ import functools
 import os
 from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
+from neuron_constrain.errors import Error
 from neuron_constrain.structured.engines.xgrammar_grammars import huggingface_pieces
 
 
@@ -45,7 +46,7 @@ def never_text(piece: bytes) -> bool:
     return piece == b"" or CONTROL_MARK in piece
 
 
-class TokenizerInfoError(ValueError):
+class TokenizerInfoError(Error, ValueError):
     """A grammar-engine tokenizer info disagrees with its tokenizer or model."""
 
 

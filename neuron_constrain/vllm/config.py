@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from neuron_constrain.errors import Error
 from neuron_constrain.vllm import SCHEDULER_CLS, VALIDATOR
 
 log = logging.getLogger("vllm.neuron_constrain")
@@ -16,7 +17,7 @@ log = logging.getLogger("vllm.neuron_constrain")
 MAX_LOGPROBS_PROGRAM = 1024  # --max-logprobs above this (or -1, the whole vocabulary) is refused at start
 
 
-class ConfigError(ValueError):
+class ConfigError(Error, ValueError):
     """A configuration the plugin refuses at start."""
 
 

@@ -5,7 +5,7 @@
     violation(constraint, text)         # None, or why a finished answer does not satisfy its constraint
 
 No vLLM import: the frontend (``validate.py``, before any token) and the engine core's
-grammar backend (``backend.py``) both call these. ``admit`` is the verdict of the
+grammar backend (``grammar_backend.py``) both call these. ``admit`` is the verdict of the
 library's own ``engine="auto"`` (``structured.engines.AutoEngine.compile``: xgrammar where
 it enforces every keyword, llguidance for the rest, refused with both reasons otherwise),
 run on a 257-token byte vocabulary: the verdict never depends on the vocabulary, and the

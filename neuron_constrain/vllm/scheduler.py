@@ -6,7 +6,7 @@ vLLM's own scheduler (``vllm.v1.core.sched.scheduler.Scheduler``; the CPU platfo
 async scheduling off, so it is the one vLLM would use) with two additions, both in the
 engine-core process, where vLLM's grammars live:
 
-* **The library's grammars.** Before any request it installs ``backend.LibraryBackend``
+* **The library's grammars.** Before any request it installs ``grammar_backend.LibraryBackend``
   as the engine's structured-output backend (vLLM's ``StructuredOutputManager`` builds a
   backend only while it has none): each request's grammar comes from the library's
   ``auto`` engine (xgrammar or llguidance, per request) under the library's keyword
@@ -37,7 +37,7 @@ check_vllm_version()
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from neuron_constrain.vllm.backend import LibraryBackend  # noqa: E402
+from neuron_constrain.vllm.grammar_backend import LibraryBackend  # noqa: E402
 
 log = logging.getLogger("vllm.neuron_constrain")
 

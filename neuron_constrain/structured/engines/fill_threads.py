@@ -27,8 +27,10 @@ from typing import Sequence
 
 import torch
 
+from neuron_constrain.errors import Error
 
-class FillTimeout(TimeoutError):
+
+class FillTimeout(Error, TimeoutError):
     """A grammar fill did not return within the fill threads' time limit."""
 
 

@@ -1,4 +1,4 @@
-"""A ``torch.compile`` backend that runs neuron-constrain's passes on dynamo's graph.
+"""The ``torch.compile`` (dynamo) backend that runs neuron-constrain's passes on dynamo's graph.
 
     compiled = nc.compile(step, inner="inductor", vocab_size=1000)   # or inner="openxla"
     tok = compiled(ids, logit_mask=mask)      # mask omitted: all-allowed, same compiled graph
@@ -10,7 +10,7 @@
 
 Also registered with dynamo (on ``import neuron_constrain``) as
 ``backend="neuron_constrain"``: :data:`default_backend`, inductor inside with the
-default pass options; feed it with ``default_backend.feed(logit_mask=...)``.
+default pass options; feed it with ``nc.default_backend.feed(logit_mask=...)``.
 
 How it works. For every graph dynamo hands it, the backend re-exports the graph
 with ``torch.export`` (non-strict, on dynamo's example inputs: parameters arrive
@@ -45,8 +45,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import sys
-import types
 import threading
 from typing import Callable
 
@@ -65,7 +63,7 @@ from neuron_constrain.sites import find_logits_root
 from neuron_constrain.tap_interface import is_tap_input
 from neuron_constrain.transform import Transformed, strip_added_outputs, transform
 
-__all__ = ["Backend", "Compiled", "backend", "compile", "BACKEND_NAME"]
+__all__ = ["BACKEND_NAME", "Backend", "TorchCompiled", "backend", "compile", "default_backend"]
 
 BACKEND_NAME = "neuron_constrain"
 
@@ -222,8 +220,9 @@ def backend(inner: str | Callable = "inductor", **pass_options) -> Backend:
     return Backend(inner, **pass_options)
 
 
-class Compiled:
-    """``torch.compile(model, backend=Backend(...))`` that takes the added inputs as keywords.
+class TorchCompiled:
+    """What :func:`compile` returns: ``torch.compile(model, backend=Backend(...))`` that takes
+    the added inputs as keywords.
 
     ``compiled(*args, logit_mask=mask, **kwargs)``: keywords the model's forward
     does not take, and any input a pass added, are fed to the compiled graph (an
@@ -278,7 +277,7 @@ class Compiled:
             raise
 
 
-def compile(model: Callable, *, inner: str | Callable = "inductor", dynamic: bool = False, **options) -> Compiled:
+def compile(model: Callable, *, inner: str | Callable = "inductor", dynamic: bool = False, **options) -> TorchCompiled:
     """``torch.compile`` with our passes; the result takes ``logit_mask=`` (and tap inputs).
 
     ``options``: pass options (keywords of :func:`neuron_constrain.transform`) and
@@ -286,19 +285,8 @@ def compile(model: Callable, *, inner: str | Callable = "inductor", dynamic: boo
     """
     compile_keys = ("fullgraph", "mode", "options", "disable")
     compile_options = {k: options.pop(k) for k in compile_keys if k in options}
-    return Compiled(model, Backend(inner, **options), dynamic=dynamic, **compile_options)
+    return TorchCompiled(model, Backend(inner, **options), dynamic=dynamic, **compile_options)
 
 
 default_backend = Backend("inductor")
 torch._dynamo.register_backend(default_backend, name=BACKEND_NAME)
-
-
-class _CallableModule(types.ModuleType):
-    """``neuron_constrain.backend(...)`` is the :func:`backend` factory while
-    ``neuron_constrain.backend.default_backend`` stays this module's attribute."""
-
-    def __call__(self, *args, **kwargs) -> Backend:
-        return backend(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
