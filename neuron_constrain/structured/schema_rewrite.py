@@ -202,17 +202,40 @@ _ANNOTATIONS_AT_NODE = frozenset({"$defs", "definitions", "$schema", "$id", "$an
 
 _UNEVALUATED = frozenset({"unevaluatedItems", "unevaluatedProperties"})
 
+# Keywords whose meaning depends on a neighbour in the same schema object: `additionalProperties`
+# sees only its own object's `properties`/`patternProperties`, `items` only its `prefixItems`,
+# `min/maxContains` only their `contains`, `then`/`else` only their `if`, `dependent*` name the
+# object's properties; `unevaluated*` sees everything its object and its applicators evaluate. A
+# rewrite that merges or moves keywords moves a unit whole, or does not apply.
+ADJACENT = (
+    frozenset({"properties", "patternProperties", "additionalProperties"}),
+    frozenset({"prefixItems", "items", "additionalItems"}),
+    frozenset({"contains", "minContains", "maxContains"}),
+    frozenset({"if", "then", "else"}),
+    frozenset({"dependentSchemas", "dependentRequired", "dependencies", "properties"}),
+)
+
+
+def splits_a_unit(first, second) -> bool:
+    """Whether putting the keywords of ``first`` beside those of ``second`` (schema objects, or
+    keyword sets) would change what one means: a unit with members on both sides, or
+    ``unevaluated*`` on either side of anything that evaluates."""
+    a, b = set(first), set(second)
+    if (_UNEVALUATED & a and b - _ANNOTATIONS_AT_NODE) or (_UNEVALUATED & b and a - _ANNOTATIONS_AT_NODE):
+        return True
+    return any(unit & a and unit & b for unit in ADJACENT)
+
 
 def distribute(schema):
     """Siblings of ``anyOf``/``oneOf`` moved into every branch, ``allOf`` branches merged, where no keyword
-    collides (never beside ``unevaluated*``, whose meaning depends on what each branch evaluates)."""
+    collides and no adjacency unit (``ADJACENT``, ``unevaluated*``) would be split or joined."""
     for _, node in list(walk(schema)):
         if _UNEVALUATED & set(node):
             continue
         branches = node.get("allOf")
         if isinstance(branches, list) and all(isinstance(b, dict) for b in branches):
             merged = {k: v for k, v in node.items() if k != "allOf"}
-            if all(not _UNEVALUATED & set(b) and not _merge_into(merged, b) for b in branches):
+            if all(not _merge_into(merged, b) for b in branches):
                 node.clear()
                 node.update(merged)
         for key in ("anyOf", "oneOf"):
@@ -220,7 +243,8 @@ def distribute(schema):
             siblings = {k: v for k, v in node.items() if k in VOCABULARY and k not in ("anyOf", "oneOf")}
             if not isinstance(branches, list) or not siblings or not all(isinstance(b, dict) for b in branches):
                 continue
-            if any(set(b) & set(siblings) for b in branches) or ("anyOf" in node and "oneOf" in node):
+            if any(set(b) & set(siblings) or splits_a_unit(b, siblings) for b in branches) or (
+                    "anyOf" in node and "oneOf" in node):
                 continue
             node[key] = [{**copy.deepcopy(siblings), **b} for b in branches]
             for k in siblings:
@@ -229,7 +253,10 @@ def distribute(schema):
 
 
 def _merge_into(merged: dict, branch: dict) -> bool:
-    """Merge ``branch`` into ``merged``; True if a keyword collided (then ``merged`` is not usable)."""
+    """Merge ``branch`` into ``merged``; True if a keyword collided or an adjacency unit would be joined
+    (then ``merged`` is not usable)."""
+    if splits_a_unit({k for k in merged if k in VOCABULARY}, {k for k in branch if k in VOCABULARY}):
+        return True
     for key, value in branch.items():
         if key in merged and key not in _ANNOTATIONS_AT_NODE:
             return True

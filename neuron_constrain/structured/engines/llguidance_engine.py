@@ -131,19 +131,20 @@ class LLGuidanceEngine(GrammarEngine):
                 f"llguidance could not compile this {constraint.kind} constraint ({message[:400]}); fix the "
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
-        self._listen(constraint, template, unenforced)
+        self._listen(constraint, template)
         return Compiled(self.name, original, template, unenforced)
 
-    def _listen(self, constraint: Constraint, template, unenforced) -> None:
+    def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,
-        an unknown format, ...): each must be one the policy listed (``unenforced="allow"``), else the
-        constraint is refused here rather than compiled with part of it ignored."""
+        an unknown format, ...): the constraint is refused here rather than compiled with part of it
+        ignored, unless it opted in (``unenforced="allow"``: its output is validated afterwards)."""
+        if constraint.unenforced == "allow":
+            return
         for warning in template.get_grammar_warnings():
-            found, _ = (keywords.reported(constraint.spec, self.name, warning) if constraint.kind == "json_schema"
-                        else ([], ""))
-            listed = {(item.keyword, item.path) for item in unenforced}
-            if found and all((item.keyword, item.path) in listed for item in found):
-                continue
+            if constraint.kind == "json_schema":
+                found, _ = keywords.reported(constraint.spec, self.name, warning)
+                if found:
+                    keywords.refuse(found)
             raise ConstraintError(
                 f"llguidance would not enforce part of this {constraint.kind} constraint (it warned: "
                 f"{' '.join(warning.split())[:300]}); refused on llguidance: use engine='xgrammar' or 'auto', or "

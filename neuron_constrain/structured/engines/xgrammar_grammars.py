@@ -83,13 +83,14 @@ def _refused(constraint: Constraint, error: BaseException) -> ConstraintError:
 _STDERR = threading.Lock()  # one capture of file descriptor 2 at a time
 
 
-def reported(build, *args, **kwargs):
+def reported(build, *args, refuse: bool = True, **kwargs):
     """``build(*args, **kwargs)`` (an xgrammar grammar builder), refused if xgrammar writes a warning
     while it runs. xgrammar's C++ side reports what it drops ("Lookahead assertion is not
     supported and is ignored", "Anchor '^' in the middle of regex is ignored", ...) on stderr
     and carries on; the library listens on file descriptor 2 for the call, so a warning becomes
     a refusal on xgrammar (``auto`` then tries llguidance). What else was written there is
-    written back."""
+    written back, and so are the warnings where ``refuse`` is False (``unenforced="allow"``: the
+    output is validated afterwards)."""
     with _STDERR:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -102,8 +103,8 @@ def reported(build, *args, **kwargs):
                 os.close(saved)
                 sink.seek(0)
                 log = sink.read().decode("utf-8", "replace")
-    warnings = [line for line in log.splitlines() if "Warning" in line]
-    rest = "".join(line + "\n" for line in log.splitlines() if "Warning" not in line)
+    warnings = [line for line in log.splitlines() if "Warning" in line] if refuse else []
+    rest = "".join(line + "\n" for line in log.splitlines() if line not in warnings)
     if rest:
         sys.stderr.write(rest)
     if warnings:
@@ -161,7 +162,7 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     spec, bodies = _patterns_as_markers(constraint.spec)
     try:
         grammar = reported(xgr.Grammar.from_json_schema, spec, strict_mode=constraint.strict,
-                           **_whitespace_options(constraint))
+                           refuse=constraint.unenforced != "allow", **_whitespace_options(constraint))
     except ConstraintError:
         raise
     except Exception as error:
@@ -172,7 +173,7 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     text = fixed = str(grammar)
     for marker, body in bodies.items():
         rule = f'Regex("{marker}", json_string=true)'
-        if rule not in fixed:
+        if rule not in fixed and constraint.unenforced != "allow":  # allowed: the output is validated afterwards
             raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
                                   "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
         fixed = fixed.replace(rule, body)
