@@ -128,7 +128,12 @@ def test_untyped_assertions_are_narrowed_on_xgrammar_and_exact_on_llguidance(toy
     assert verdicts["xgrammar"].over_restricted == ["5"] and verdicts["xgrammar"].accepted_valid == 1
     assert not verdicts["llguidance"].over_restricted and verdicts["llguidance"].accepted_valid == 2
     assert all(not v.unsound for v in verdicts.values())
-    assert toy_engines["auto"].compile(S.json_schema({"maxLength": 2})).engine == "xgrammar"
+    assert toy_engines["xgrammar"].compile(S.json_schema({"maxLength": 2})).narrowed == ("#",)
+    # auto routes by meaning: the engine exact on the whole schema first; xgrammar's narrowing only as a fallback
+    routed = toy_engines["auto"].compile(S.json_schema({"maxLength": 2}))
+    assert routed.engine == "llguidance" and routed.narrowed == ()
+    fallback = toy_engines["auto"].compile(S.json_schema({"minProperties": 1}, strict=False))
+    assert fallback.engine == "xgrammar" and fallback.narrowed == ("#",)  # llguidance refuses minProperties
 
 
 def test_the_readme_guarantee_table_is_the_lists():

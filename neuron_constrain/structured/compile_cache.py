@@ -1,7 +1,7 @@
 """``CompileCache``: the runtime's one cache of compiled grammars, compiled on a thread pool.
 
     cache = CompileCache(engine, workers=2, size=512)
-    job = cache.get(constraint)       # CompileJob: .future (-> engine.Compiled), .started (None while queued)
+    job = cache.get(constraint)       # CompileJob: .future (-> engine.CompiledGrammar), .started (None while queued)
     cache.put(compiled)               # a grammar compiled elsewhere (engine.compile), kept under its constraint
     cache.hits, cache.misses
 

@@ -196,8 +196,9 @@ def _validator(root):
     return cls(root, format_checker=cls.FORMAT_CHECKER)
 
 
-def prepare(schema, engine):
-    """The schema ``engine`` compiles: ``normalize`` (meaning kept), then the engine's own rewrites."""
+def prepare(schema, engine, narrowed: list | None = None):
+    """The schema ``engine`` compiles: ``normalize`` (meaning kept), then the engine's own rewrites;
+    ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed."""
     lists = allowlist(engine)
     prepared = rewrite.normalize(schema)
     if not isinstance(prepared, dict):
@@ -206,7 +207,9 @@ def prepare(schema, engine):
         rewrite.distribute(prepared)
     if "narrow" in lists.rewrites:
         validator = _validator(prepared)
-        rewrite.narrow(prepared, lambda node, value: validator.evolve(schema=node).is_valid(value))
+        typed = rewrite.narrow(prepared, lambda node, value: validator.evolve(schema=node).is_valid(value))
+        if narrowed is not None:
+            narrowed += typed
     return prepared
 
 

@@ -267,12 +267,15 @@ def _merge_into(merged: dict, branch: dict) -> bool:
     return False
 
 
-def narrow(schema, validate_value):
-    """Untyped nodes typed by their assertions; enum/const filtered by their siblings (``validate_value(node, v)``)."""
-    for _, node in walk(schema):
+def narrow(schema, validate_value) -> list[str]:
+    """Untyped nodes typed by their assertions; enum/const filtered by their siblings (``validate_value(node, v)``).
+    Returns the JSON pointers of the nodes it typed (the narrowing: fewer valid instances there)."""
+    typed = []
+    for path, node in walk(schema):
         families = {f for f, words in FAMILIES.items() if words & set(node)}
         if "type" not in node and len(families) == 1 and not {"anyOf", "oneOf", "allOf", "$ref", "not", "if"} & set(node):
             node["type"] = FAMILY_TYPES[families.pop()][-1]  # "number" covers integers
+            typed.append(path)
         for key in ("enum", "const"):
             if key not in node:
                 continue
@@ -287,4 +290,4 @@ def narrow(schema, validate_value):
                 del node[k]
             node["enum"] = kept
             node.pop("const", None)
-    return schema
+    return typed

@@ -7,7 +7,7 @@
 
 | module | what it holds |
 | --- | --- |
-| ``base.py`` | the contract (``GrammarEngine``, ``GrammarMatcher``, ``Compiled``) and the row checks |
+| ``base.py`` | the contract (``GrammarEngine``, ``GrammarMatcher``, ``CompiledGrammar``) and the row checks |
 | ``xgrammar_engine.py`` | xgrammar; its batch fill on ``fill_threads.py``'s threads when asked for more than one |
 | ``xgrammar_grammars.py`` | every grammar xgrammar builds (a constraint's, tool calls', vLLM's kinds, EBNF checks) and its vocabulary |
 | ``llguidance_engine.py`` | llguidance, its matcher adapted to the contract; ``llguidance_tokenizer.py``, ``ebnf_to_lark.py`` |
@@ -21,7 +21,7 @@ decides which of its keywords the engine would not enforce and refuses them by d
 from __future__ import annotations
 
 from neuron_constrain.structured.engines.auto_engine import AutoEngine
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, GrammarMatcher, check_rows
+from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, GrammarMatcher, check_rows
 from neuron_constrain.structured.engines.ebnf_to_lark import ebnf_to_lark
 from neuron_constrain.structured.engines.fill_threads import FillTimeout, RowFillers
 from neuron_constrain.structured.engines.llguidance_engine import LLGuidanceEngine, LLGuidanceMatcher
@@ -46,6 +46,6 @@ def make_engine(name: str, tokenizer, *, fill_threads: int = 1, fill_timeout: fl
     return engine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
 
 
-__all__ = ["AutoEngine", "Compiled", "ENGINES", "ENGINE_CHOICES", "FillTimeout", "GrammarEngine", "GrammarMatcher",
+__all__ = ["AutoEngine", "CompiledGrammar", "ENGINES", "ENGINE_CHOICES", "FillTimeout", "GrammarEngine", "GrammarMatcher",
            "LLGuidanceEngine", "LLGuidanceMatcher", "RowFillers", "XGrammarEngine", "allowlists", "check_rows",
            "ebnf_to_lark", "make_engine"]

@@ -12,6 +12,11 @@ neither engine takes it is the request refused, with both reasons. ``unenforced=
 keeps its meaning: llguidance first for what xgrammar would not enforce, then xgrammar
 with the keywords listed.
 
+Routed by meaning: where xgrammar would compile an untyped node as one type (its narrowing,
+``schema_rewrite.narrow``: ``{"maxLength": 2}`` would refuse ``5``, which JSON Schema takes),
+llguidance, which keeps JSON Schema's meaning there, is tried first; xgrammar's narrowed grammar
+is the fallback, and the result says so (``CompiledGrammar.narrowed``: the nodes' pointers).
+
 The two engines' matchers live side by side in one batch: fills and accepts go to the
 engine that made each matcher.
 """
@@ -23,8 +28,9 @@ from typing import Sequence
 
 import torch
 
+from neuron_constrain.structured import keywords
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine
+from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine
 from neuron_constrain.structured.engines.llguidance_engine import LLGuidanceEngine, LLGuidanceMatcher
 from neuron_constrain.structured.engines.xgrammar_engine import XGrammarEngine
 
@@ -48,8 +54,13 @@ class AutoEngine(GrammarEngine):
                                                    fill_timeout=self.fill_timeout)
             return self._llguidance
 
-    def compile(self, constraint: Constraint) -> Compiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         strict = dataclasses.replace(constraint, unenforced="refuse") if constraint.kind == "json_schema" else constraint
+        if constraint.kind == "json_schema" and _narrowed_on_xgrammar(constraint.spec):
+            try:  # an engine exact on the whole schema first
+                return self.llguidance.compile(strict)
+            except (ConstraintError, ImportError, ValueError):
+                pass
         try:
             return self.xgrammar.compile(strict)
         except ConstraintError as refused:
@@ -64,7 +75,7 @@ class AutoEngine(GrammarEngine):
             combined.unenforced = getattr(error, "unenforced", None)  # a refusal (keywords.py), not a syntax error
             raise combined from error
 
-    def matcher(self, compiled: Compiled):
+    def matcher(self, compiled: CompiledGrammar):
         return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
@@ -98,3 +109,13 @@ class AutoEngine(GrammarEngine):
         self.xgrammar.close()
         if self._llguidance is not None:
             self._llguidance.close()
+
+
+def _narrowed_on_xgrammar(schema) -> bool:
+    """Whether xgrammar's rewrites would type an untyped node of ``schema`` (meaning narrowed there)."""
+    narrowed: list[str] = []
+    try:
+        keywords.prepare(schema, "xgrammar", narrowed)
+    except ConstraintError:
+        return False  # the compile reports it
+    return bool(narrowed)

@@ -58,13 +58,15 @@ class GrammarMatcher(Protocol):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Compiled:
-    """A constraint compiled for one engine; ``unenforced`` lists what it will not enforce."""
+class CompiledGrammar:
+    """A constraint compiled for one engine; ``unenforced`` lists what it will not enforce, ``narrowed``
+    the JSON pointers of untyped nodes it compiled as one type (fewer valid instances there, never more)."""
 
     engine: str
     constraint: Constraint
     grammar: Any  # xgrammar CompiledGrammar | llguidance LLMatcher (a template, deep-copied per request)
     unenforced: tuple[keywords.Unenforced, ...] = ()
+    narrowed: tuple[str, ...] = ()
 
 
 def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> int:
@@ -107,7 +109,7 @@ class GrammarEngine(abc.ABC):
         self.fill_timeout = fill_timeout  # the longest wait for a fill thread (when there are several)
 
     @abc.abstractmethod
-    def compile(self, constraint: Constraint) -> Compiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         """``constraint`` compiled for this engine; raises :class:`ConstraintError` (one line).
 
         A JSON schema holding a keyword this engine would not enforce is refused
@@ -115,17 +117,18 @@ class GrammarEngine(abc.ABC):
 
     enforces: ClassVar[keywords.Allowlist | None] = None  # what this engine enforces of JSON Schema
 
-    def keyword_policy(self, constraint: Constraint) -> tuple[Constraint, tuple[keywords.Unenforced, ...]]:
+    def keyword_policy(self, constraint: Constraint) -> tuple[Constraint, tuple[keywords.Unenforced, ...], tuple[str, ...]]:
         """The never-silent policy: the constraint this engine compiles (a JSON schema rewritten by
         :func:`keywords.prepare`), after raising for a keyword it would not enforce there or
-        (``unenforced="allow"``) listing them."""
+        (``unenforced="allow"``) listing them; and the nodes the engine's narrowing typed."""
         if constraint.kind != "json_schema":
-            return constraint, ()
-        schema = keywords.prepare(constraint.spec, self.enforces)
+            return constraint, (), ()
+        narrowed: list[str] = []
+        schema = keywords.prepare(constraint.spec, self.enforces, narrowed)
         if schema is False:
             raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
         unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
-        return dataclasses.replace(constraint, spec=schema), unenforced
+        return dataclasses.replace(constraint, spec=schema), unenforced, tuple(narrowed)
 
     def parse(self, constraint: Constraint) -> None:
         """Raise :class:`ConstraintError` now, before any compilation, if ``constraint`` is
@@ -133,7 +136,7 @@ class GrammarEngine(abc.ABC):
         cannot, and ``compile`` finds it."""
 
     @abc.abstractmethod
-    def matcher(self, compiled: Compiled) -> GrammarMatcher:
+    def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``'s grammar."""
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,

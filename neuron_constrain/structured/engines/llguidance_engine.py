@@ -24,7 +24,7 @@ import torch
 from neuron_constrain.structured import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.pattern_text import constraint_regex, to_regex
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, check_rows, fill_each
+from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, check_rows, fill_each
 from neuron_constrain.structured.engines.ebnf_to_lark import ebnf_to_lark, lark_chars
 from neuron_constrain.structured.engines.llguidance_tokenizer import import_llguidance, llguidance_tokenizer
 
@@ -110,9 +110,9 @@ class LLGuidanceEngine(GrammarEngine):
 
     enforces = ENFORCES
 
-    def compile(self, constraint: Constraint) -> Compiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         original = constraint
-        constraint, unenforced = self.keyword_policy(constraint)
+        constraint, unenforced, _ = self.keyword_policy(constraint)
         options: dict = {}
         template, message = self._template(constraint, options)
         while message and constraint.kind == "json_schema":
@@ -132,7 +132,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
         self._listen(constraint, template)
-        return Compiled(self.name, original, template, unenforced)
+        return CompiledGrammar(self.name, original, template, unenforced)
 
     def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,
@@ -150,7 +150,7 @@ class LLGuidanceEngine(GrammarEngine):
                 f"{' '.join(warning.split())[:300]}); refused on llguidance: use engine='xgrammar' or 'auto', or "
                 "remove what it ignores")
 
-    def matcher(self, compiled: Compiled) -> "LLGuidanceMatcher":
+    def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:

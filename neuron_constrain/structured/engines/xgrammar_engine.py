@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain.structured import keywords as K
-from neuron_constrain.structured.engines.base import Compiled, GrammarEngine, encode_continuation, fill_each
+from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, encode_continuation, fill_each
 from neuron_constrain.structured.engines.fill_threads import RowFillers
 from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, parse_constraint, xgrammar_info
 
@@ -182,14 +182,14 @@ class XGrammarEngine(GrammarEngine):
 
     enforces = ENFORCES
 
-    def compile(self, constraint) -> Compiled:
-        prepared, unenforced = self.keyword_policy(constraint)
-        return Compiled(self.name, constraint, compile_grammar(self.compiler, prepared), unenforced)
+    def compile(self, constraint) -> CompiledGrammar:
+        prepared, unenforced, narrowed = self.keyword_policy(constraint)
+        return CompiledGrammar(self.name, constraint, compile_grammar(self.compiler, prepared), unenforced, narrowed)
 
     def parse(self, constraint) -> None:
         parse_constraint(constraint)
 
-    def matcher(self, compiled: Compiled) -> xgr.GrammarMatcher:
+    def matcher(self, compiled: CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled.grammar)
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
