@@ -1,12 +1,15 @@
 """The differential soundness check of tests/test_soundness.py, run longer, with the counts.
 
-    python benchmarks/bench_soundness.py [--examples 300] [--regions typed,untyped,...] [--json OUT]
+    python benchmarks/bench_soundness.py [--examples 300] [--regions typed,untyped,...,regex] [--strict both]
 
-Per region of JSON Schema's vocabulary (``neuron_constrain.testing.schemas.REGIONS``) and per
-engine (xgrammar, llguidance, auto; a byte-level vocabulary): schemas compiled and refused,
-instances accepted that ``jsonschema`` calls invalid (**unsound**: must be 0), valid instances
-rejected (over-restriction: the documented narrowings), valid instances accepted. Examples are
-random (a fresh seed each run unless ``--seed``); an unsound case is printed with its schema.
+Per region of JSON Schema's vocabulary (``neuron_constrain.testing.schemas.REGIONS``, plus
+``regex``: ``regex(...)`` constraints drawn from the same pattern grammar, judged by
+``re.fullmatch``), per engine (xgrammar, llguidance, auto; a byte-level vocabulary) and per
+``strict`` setting: schemas compiled and refused, instances accepted that the referee calls
+invalid (**unsound**: must be 0; raw spellings and random walks through the masks included),
+valid instances rejected (over-restriction: the documented narrowings), valid instances
+accepted. Examples are random (a fresh seed each run unless ``--seed``); an unsound case is
+printed with its schema.
 """
 from __future__ import annotations
 
@@ -20,21 +23,27 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from neuron_constrain.structured import engines as E
 from neuron_constrain.testing import toy_tokenizer
-from neuron_constrain.testing.schemas import REGIONS, differential, schema_and_instances
+from neuron_constrain.testing.schemas import (PATTERNS_DRAWN, REGIONS, differential, pattern_strings,
+                                              regex_differential, schema_and_instances)
 from timing import write_results
 
 
-def run_region(region: str, engines: dict, examples: int, random_seed: int | None) -> dict:
+def _regex_cases():
+    return PATTERNS_DRAWN.flatmap(lambda p: pattern_strings(p).map(lambda strings: (p, strings)))
+
+
+def run_region(region: str, engines: dict, examples: int, random_seed: int | None, strict: bool) -> dict:
     counts = {name: collections.Counter() for name in engines}
     unsound = []
 
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(schema_and_instances(region))
+    @given(_regex_cases() if region == "regex" else schema_and_instances(region))
     def check(case):
         schema, instances = case
         for name, engine in engines.items():
-            verdict = differential(engine, schema, instances)
+            verdict = (regex_differential(engine, schema, instances) if region == "regex"
+                       else differential(engine, schema, instances, strict=strict))
             count = counts[name]
             count["schemas"] += 1
             count["refused" if verdict.refused else "compiled"] += 1
@@ -52,21 +61,27 @@ def run_region(region: str, engines: dict, examples: int, random_seed: int | Non
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=300, help="schemas per region")
-    parser.add_argument("--regions", default=",".join(REGIONS))
+    parser.add_argument("--regions", default=",".join((*REGIONS, "regex")))
+    parser.add_argument("--strict", choices=("false", "true", "both"), default="both",
+                        help="json_schema(strict=...) for the schema regions")
     parser.add_argument("--seed", type=int, help="hypothesis seed (default: random)")
     parser.add_argument("--json", default="benchmarks/results/bench_soundness.json")
     args = parser.parse_args(argv)
     vocabulary = toy_tokenizer()
     engines = {name: E.make_engine(name, vocabulary) for name in E.ENGINE_CHOICES}
     results, start = {"examples": args.examples, "regions": {}}, time.perf_counter()
-    print(f"{'region':<12} {'engine':<11} {'compiled':>8} {'refused':>8} {'unsound':>8} {'over':>6} {'valid ok':>9}")
+    stricts = {"false": (False,), "true": (True,), "both": (False, True)}[args.strict]
+    print(f"{'region':<12} {'strict':<6} {'engine':<11} {'compiled':>8} {'refused':>8} {'unsound':>8} {'over':>6} "
+          f"{'valid ok':>9}")
     for region in args.regions.split(","):
-        results["regions"][region] = found = run_region(region, engines, args.examples, args.seed)
-        for name, c in found["counts"].items():
-            print(f"{region:<12} {name:<11} {c.get('compiled', 0):>8} {c.get('refused', 0):>8} {c.get('unsound', 0):>8} "
-                  f"{c.get('over_restricted', 0):>6} {c.get('accepted_valid', 0):>9}")
-        for case in found["unsound_cases"]:
-            print("  UNSOUND", case["engine"], json.dumps(case["schema"]), case["instances"])
+        for strict in stricts if region != "regex" else (False,):
+            key = region if region == "regex" or len(stricts) == 1 else f"{region}/strict={strict}"
+            results["regions"][key] = found = run_region(region, engines, args.examples, args.seed, strict)
+            for name, c in found["counts"].items():
+                print(f"{region:<12} {str(strict):<6} {name:<11} {c.get('compiled', 0):>8} {c.get('refused', 0):>8} "
+                      f"{c.get('unsound', 0):>8} {c.get('over_restricted', 0):>6} {c.get('accepted_valid', 0):>9}")
+            for case in found["unsound_cases"]:
+                print("  UNSOUND", case["engine"], json.dumps(case["schema"]), case["instances"])
     total = sum(c.get("unsound", 0) for r in results["regions"].values() for c in r["counts"].values())
     results["unsound_total"], results["seconds"] = total, time.perf_counter() - start
     print(f"unsound instances in all: {total} ({results['seconds']:.0f} s)")

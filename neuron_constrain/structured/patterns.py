@@ -170,7 +170,7 @@ class _Parser:
             self.at += match.end()
         else:
             return None
-        if atom is None or atom[0] in ("start", "end", "refused"):
+        if atom is None or atom[0] in ("start", "end"):
             raise self.error("a quantifier with nothing to repeat", start)
         if self.peek() == "?":
             self.note("lazy quantifier", self.at)
