@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.testing import toy_tokenizer
-from neuron_constrain.testing.schemas import differential, schema_and_instances
+from neuron_constrain.testing.schemas import (PATTERNS_DRAWN, differential, pattern_strings, regex_differential,
+                                              schema_and_instances)
+from neuron_constrain.testing.vocabulary import force
 from tests.conftest import examples
 
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
@@ -84,6 +86,93 @@ def test_applicators_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
 
 
+# ---- one level deeper (issue 42): inside patterns, between keywords, names, formats
+@SETTINGS
+@example(case=({"type": "string", "pattern": "^(?=.*[0-9]).+$"}, ["abc", "a1"]))  # xgrammar dropped the lookahead
+@example(case=({"type": "string", "pattern": "^(?!admin$)[a-z]+$"}, ["admin", "admins"]))
+@example(case=({"type": "string", "pattern": '^"$'}, ['"', "a"]))  # xgrammar let the quote in raw: not JSON
+@example(case=({"type": "string", "pattern": "^[[:alpha:]]$"}, ["a", "a]", ":]"]))  # llguidance: a POSIX class
+@example(case=({"type": "object", "propertyNames": {"pattern": "^(?!a)"}}, [{"a": 1}, {"b": 1}]))
+@example(case=({"type": "string", "pattern": "b"}, ["abc", "b", "a"]))
+@given(case=schema_and_instances("patterns"))
+def test_patterns_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+REGEX_CASES = PATTERNS_DRAWN.flatmap(lambda p: pattern_strings(p).map(lambda strings: (p, strings)))
+
+
+@SETTINGS
+@example(case=("a.b", ["a\nb", "axb"]))  # xgrammar's `.` took a newline
+@example(case=("a^b|c", ["ab", "c"]))  # xgrammar ignored the anchor in the middle
+@example(case=("[\\^a]", ["b", "^", "a"]))  # xgrammar read a leading \^ in a class as negation
+@given(case=REGEX_CASES)
+def test_regex_constraints_never_accept_what_python_re_refuses(toy_engines, case):
+    pattern, strings = case
+    for name, engine in toy_engines.items():
+        verdict = regex_differential(engine, pattern, strings)
+        assert not verdict.unsound, f"{name} compiled regex({pattern!r}) and accepted {verdict.unsound[:3]}"
+
+
+@SETTINGS
+@example(case=({"type": "object", "additionalProperties": False, "allOf": [{"properties": {"a": {}}}]}, [{"a": 1}]))
+@example(case=({"type": "array", "items": False, "allOf": [{"prefixItems": [{"type": "integer"}]}]}, [[1], []]))
+@example(case=({"type": "object", "allOf": [{"properties": {"a": {}}}], "properties": {"b": {}},
+                "additionalProperties": False}, [{"a": 1}, {"b": 2}]))
+@given(case=schema_and_instances("adjacency"))
+def test_adjacent_keywords_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+@SETTINGS
+@example(case=({"type": "object", "properties": {'a"b': {"type": "integer"}}}, [{'a"b': "x"}, {'a"b': 1}]))
+@example(case=({"type": "object", "properties": {"é": {"type": "integer"}}}, [{"é": "x"}, {"é": 1}]))
+@given(case=schema_and_instances("names"))
+def test_property_names_are_matched_exactly_however_they_are_escaped(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+@SETTINGS
+@example(case=({"type": "string", "format": "date"}, ["2024-02-30", "2024-02-29"]))
+@example(case=({"type": "string", "format": "ipv4"}, ["01.2.3.4", "1.2.3.4"]))
+@given(case=schema_and_instances("formats"))
+def test_formats_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)
+
+
+def test_no_engine_writes_text_that_is_not_json_for_a_format(toy_engines):
+    """Texts no instance reaches (a JSON escape that does not exist, a raw quote): found by random walks
+    through xgrammar's own `email` and `json-pointer` grammars, pinned here."""
+    for name, engine in toy_engines.items():
+        for fmt, text in (("email", '"\\"\\a\\"@x.com"'), ("json-pointer", '"/a"b"'),
+                          ("relative-json-pointer", '"0/a"b"')):
+            try:
+                compiled = engine.compile(S.json_schema({"type": "string", "format": fmt}))
+            except S.ConstraintError:
+                continue
+            assert not force(engine, compiled, engine.tokenizer.encode(text)), (name, fmt, text)
+
+
+def test_engine_warnings_are_refusals(toy_engines, capfd):
+    """What an engine reports it ignores becomes a refusal on that engine, for each kind of message."""
+    import xgrammar as xgr
+
+    from neuron_constrain.structured.engines.xgrammar_grammars import reported
+
+    for build, arg, said in ((xgr.Grammar.from_json_schema, {"type": "string", "pattern": "^(?=a).*$"}, "Lookahead"),
+                             (xgr.Grammar.from_regex, "a^b", "middle"),
+                             (xgr.Grammar.from_json_schema, {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+                              "oneOf")):
+        with pytest.raises(S.ConstraintError, match="xgrammar would not enforce part of this constraint") as info:
+            reported(build, arg)
+        assert said in str(info.value)
+    reported(xgr.Grammar.from_regex, "a^b", refuse=False)  # unenforced="allow": written back, never swallowed
+    assert "middle" in capfd.readouterr().err
+    with pytest.raises(S.ConstraintError, match="Unknown format|would not enforce"):
+        toy_engines["llguidance"].compile(S.json_schema({"type": "string", "format": "date", "contentEncoding": 1,
+                                                         "not": {}}))
+
+
 # ---- rewrites that keep the meaning (schema_rewrite.normalize), each on every engine
 def _verdicts(engines, schema, instances):
     return {name: differential(engine, schema, instances) for name, engine in engines.items()}
@@ -136,13 +225,14 @@ def test_untyped_assertions_are_narrowed_on_xgrammar_and_exact_on_llguidance(toy
     assert fallback.engine == "xgrammar" and fallback.narrowed == ("#",)  # llguidance refuses minProperties
 
 
-def test_the_readme_guarantee_table_is_the_lists():
-    """The README's table is generated from the allowlists: a list changed without the README fails here."""
+@pytest.mark.parametrize("table", ["guarantee", "regex"])
+def test_the_readme_tables_are_the_lists(table):
+    """The README's tables are generated from the allowlists: a list changed without the README fails here."""
     import pathlib
 
     from neuron_constrain.structured import keywords as K
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    copy = readme.split("<!-- guarantee-table:start -->\n")[1].split("\n<!-- guarantee-table:end -->")[0]
-    assert copy == K.guarantee_table(), "regenerate the README's table: python -c 'from neuron_constrain.structured " \
-        "import keywords as K; print(K.guarantee_table())'"
+    copy = readme.split(f"<!-- {table}-table:start -->\n")[1].split(f"\n<!-- {table}-table:end -->")[0]
+    assert copy == getattr(K, f"{table}_table")(), "regenerate the README's table: python -c 'from " \
+        f"neuron_constrain.structured import keywords as K; print(K.{table}_table())'"

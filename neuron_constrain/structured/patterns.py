@@ -457,7 +457,9 @@ def _prune(node):
         return node if node[1] else None
     if kind == "seq":
         items = [_prune(child) for child in node[1]]
-        return None if any(item is None for item in items) else ("seq", tuple(items))
+        if any(item is None for item in items):
+            return None
+        return items[0] if len(items) == 1 else ("seq", tuple(items))
     if kind == "alt":
         branches = [b for b in map(_prune, node[1]) if b is not None]
         return None if not branches else branches[0] if len(branches) == 1 else ("alt", tuple(branches))

@@ -1,0 +1,165 @@
+"""Patterns read as the referee reads them (``structured/patterns.py``, ``pattern_text.py``,
+``code_points.py``): every feature rewritten or refused by name and offset, the code-point set
+algebra, and the tree's language never larger than Python's ``re`` reading of the pattern.
+
+The engines' side (what each engine accepts once a pattern is written back) is the differential
+test's (``tests/test_soundness.py``: the patterns and regex regions).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import code_points as C
+from neuron_constrain.structured import patterns as P
+from neuron_constrain.structured.pattern_text import to_ebnf, to_regex
+from neuron_constrain.testing.schemas import PATTERNS_DRAWN, readable
+from tests.conftest import examples
+
+pytestmark = pytest.mark.torch_agnostic(lane="latest")
+
+
+@pytest.mark.parametrize("source, feature, offset", [
+    (r"^(?=.*[0-9]).+$", "lookahead", 1),
+    (r"^(?!admin$)\w+$", "negative lookahead", 1),
+    (r"(?<=a)b", "lookbehind", 0),
+    (r"(?<!a)b", "negative lookbehind", 0),
+    (r"(a)\1", "backreference", 3),
+    (r"(?<x>a)\k<x>", "backreference", 7),
+    (r"\bword\b", "word boundary", 0),
+    (r"(?i)abc", "inline flags", 0),
+    (r"(?P<x>a)", "Python-only syntax", 0),
+    (r"a*+", "Python-only syntax", 2),
+    (r"(?#note)a", "Python-only syntax", 0),
+    (r"a{,3}", "quantifier {,n}", 1),
+    (r"\p{L}+", "Unicode property escape", 0),
+    (r"\u{41}", "ambiguous escape", 0),
+    (r"\a", "ambiguous escape", 0),
+    (r"[\1]", "ambiguous escape", 1),
+    (r"[]a]", "empty class", 0),
+    (r"[^]", "empty class", 0),
+    (r"[\d-z]", "class escape in a range", 3),
+    (r"(^a)*", "anchor in the middle", 0),
+])
+def test_each_refused_feature_is_named_with_its_offset(source, feature, offset):
+    pattern = P.parse(source)
+    assert pattern.refused == P.Feature(feature, offset), pattern.features
+    error = pattern.refusal()
+    assert feature in str(error) and f"offset {offset}" in str(error) and repr(source) in str(error)
+
+
+@pytest.mark.parametrize("source, text, ebnf_has", [
+    (r"^\d{3}$", "[0-9]{3}", "[0-9]"),
+    (r"^\w$", r"[0-9A-Z\u{5f}a-z]", "[0-9A-Z"),
+    (r"^a*?b+?$", "a*b+", '"a"*'),
+    (r"^(?:ab|c)$", "ab|c", '"a" "b"'),
+    (r"^(?<name>a)$", "a", '"a"'),
+    (r"^\x41\u0042\t$", r"AB\u{9}", '"\\\\" ([t]'),
+    (r"^[[:alpha:]]$", r"[\u{3a}\u{5b}ahlp]\u{5d}", "[\\U0000003a\\U0000005bahlp]"),
+])
+def test_rewrites_keep_the_meaning_in_the_plain_syntax(source, text, ebnf_has):
+    pattern = P.parse(source)
+    assert pattern.refused is None and not any(f.refused for f in pattern.features)
+    assert to_regex(pattern, search=True, anchored=True) == f"^(?:{text})$"
+    assert ebnf_has in to_ebnf(pattern, search=True, json=True)
+
+
+def test_search_is_written_as_a_full_match_and_anchors_move_to_the_edges():
+    anything = r"[\u{0}-\u{d7ff}\u{e000}-\u{10ffff}]*"
+    assert to_regex(P.parse("b"), search=True, anchored=False) == f"{anything}b{anything}"
+    assert to_regex(P.parse("b"), search=False, anchored=False) == "b"  # a regex constraint: the whole output
+    assert to_regex(P.parse("^a|b$"), search=True, anchored=False) == f"a{anything}|{anything}b"
+    assert to_regex(P.parse("(^a|b)c"), search=True, anchored=False) == f"ac{anything}|{anything}bc{anything}"
+    # a ^ after text that cannot be empty: that branch matches nothing (Python and ECMA agree)
+    assert to_regex(P.parse("a^b|c"), search=False, anchored=False) == "c"
+    assert to_regex(P.parse("a?^b"), search=False, anchored=False) == "b"
+    with pytest.raises(S.ConstraintError, match="matches no string"):
+        to_regex(P.parse("a^b"), search=False, anchored=False)
+
+
+def test_a_leading_caret_is_never_first_in_a_class():
+    """xgrammar decodes an escape, then reads a leading ``^`` as negation: ``[\\u{5e}a]`` is ``[^a]`` there."""
+    for source in (r"[\^a]", r"[\^-a]", r"[\^]"):
+        regex, ebnf = to_regex(P.parse(source), search=False, anchored=False), to_ebnf(P.parse(source), search=False,
+                                                                                     json=False)
+        assert not regex.startswith("[\\u{5e}") and not ebnf.startswith("[\\U0000005e"), (regex, ebnf)
+
+
+def test_syntax_errors_and_nesting_are_refused_cleanly():
+    for source in ("(a", "a)", "*a", "a{2,1}", "[b-a]", "a**", "\\"):
+        with pytest.raises(S.ConstraintError, match="not an ECMA-262 regular expression"):
+            P.parse(source)
+    with pytest.raises(S.ConstraintError, match="deeper than"):
+        P.parse("(" * 300 + "a" + ")" * 300)
+
+
+# ---- the code-point set algebra
+RANGES = st.lists(st.tuples(st.integers(0, 0x300), st.integers(0, 0x300)).map(sorted), max_size=6)
+SETTINGS = settings(max_examples=examples(60), suppress_health_check=[HealthCheck.too_slow])
+
+
+def _members(ranges):
+    return {c for lo, hi in ranges for c in range(lo, min(hi, 0x300) + 1)}
+
+
+@SETTINGS
+@given(RANGES, RANGES)
+def test_set_algebra(first, second):
+    a, b = C.normalize(first), C.normalize(second)
+    assert _members(a) == _members(first)
+    assert all(lo <= hi and (i == 0 or a[i - 1][1] + 1 < lo) for i, (lo, hi) in enumerate(a))  # sorted, merged
+    assert C.complement(C.complement(a)) == a
+    assert _members(C.subtract(a, b)) == _members(a) - _members(b)
+    assert not _members(C.complement(a)) & _members(a)
+
+
+def test_shorthand_classes_are_what_both_dialects_agree_on():
+    digits, not_digits = C.shorthand("d"), C.shorthand("D")
+    assert digits == ((0x30, 0x39),)
+    arabic_three = 0x663  # a digit to Python's re, not to ECMA-262: neither \d nor \D may take it
+    assert not any(lo <= arabic_three <= hi for lo, hi in digits + not_digits)
+    spaces = C.shorthand("s")
+    assert any(lo <= 0x20 <= hi for lo, hi in spaces) and not any(lo <= 0x1C <= hi for lo, hi in spaces)
+
+
+# ---- the tree's language is never larger than Python's reading
+def _python(node) -> str:
+    """The tree in Python's syntax (a test-side twin of pattern_text's writer)."""
+    kind = node[0]
+    if kind == "chars":
+        return "[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in node[1]) + "]" if node[1] else "(?!)"
+    if kind == "seq":
+        return "".join(f"(?:{_python(child)})" for child in node[1])
+    if kind == "alt":
+        return "|".join(f"(?:{_python(child)})" for child in node[1])
+    hi = "" if node[3] is None else node[3]
+    return f"(?:{_python(node[1])}){{{node[2]},{hi}}}"
+
+
+STRINGS = st.text(st.sampled_from('ab1_ "\\\n\r.é-^$[]:xA\u2028٣'), max_size=6)
+
+
+@settings(max_examples=examples(60), suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(PATTERNS_DRAWN, st.lists(STRINGS, min_size=8, max_size=8))
+def test_what_the_tree_matches_python_matches(source, strings):
+    if not readable(source):
+        return
+    try:
+        pattern = P.parse(source)
+    except S.ConstraintError:
+        return
+    if pattern.refused is not None:
+        return
+    tree = P.full_match(pattern, search=True)
+    ours = re.compile(_python(tree)) if tree is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        referee = re.compile(source)
+    for text in strings:
+        if ours is not None and ours.fullmatch(text):
+            assert referee.search(text), (source, text, _python(tree))
