@@ -131,6 +131,8 @@ def _ebnf(node, json: bool) -> str:
         return "(" + " | ".join(_ebnf(child, json) for child in node[1]) + ")"
     lo, hi = node[2], node[3]
     inner = _ebnf(node[1], json)
+    if node[1][0] == "repeat":  # a quantifier on a quantified element: grouped, as EBNF takes one suffix
+        inner = f"({inner})"
     return f"{inner}{_count(lo, hi)}" if hi is None and lo < 2 or (lo, hi) == (0, 1) else \
         f"{inner}{{{lo},{-1 if hi is None else hi}}}"
 
