@@ -135,31 +135,56 @@ def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xg
     raise ConstraintError(f"unknown constraint kind {constraint.kind!r}")
 
 
-_MARKER = "ncpattern{}x"  # what a pattern is while xgrammar converts the schema: kept as one Regex rule
+_MARKER = "ncpattern{}x"  # what a pattern is while xgrammar converts a schema: kept as one Regex rule
 
 
-def _patterns_as_markers(schema) -> tuple[object, dict[str, str]]:
-    """``schema`` with each pattern replaced by a marker, and each marker's rule body: the pattern
-    as EBNF over the JSON-escaped text (``pattern_text.to_ebnf``). xgrammar's own reading of a
-    pattern is wrong in several ways (``patterns.py``); the markers let it place the rules."""
-    bodies: dict[str, str] = {}
-    markers: dict[str, str] = {}
+class _Markers:
+    """Each pattern of a schema replaced by a marker while xgrammar converts it, then the marker's rule
+    body replaced by the pattern as EBNF over the JSON-escaped text (``pattern_text.to_ebnf``).
+    xgrammar's own reading of a pattern is wrong in several ways (``patterns.py``); the markers
+    let it place the rules."""
 
-    def mark(source: str) -> str | None:
+    def __init__(self):
+        self.bodies: dict[str, str] = {}
+        self._by_source: dict[str, str] = {}
+
+    def _mark(self, source: str) -> str | None:
         pattern = patterns.parse(source)
         if keywords.unenforced_feature(pattern, "xgrammar") is not None:
             return None  # the policy listed it as unenforced (unenforced="allow")
-        if source not in markers:
-            markers[source] = marker = f"^{_MARKER.format(len(markers))}$"
-            bodies[marker] = to_ebnf(pattern, search=True, json=True)
-        return markers[source]
-    return keywords.map_patterns(schema, mark) if isinstance(schema, dict) else schema, bodies
+        if source not in self._by_source:
+            self._by_source[source] = marker = f"^{_MARKER.format(len(self._by_source))}$"
+            self.bodies[marker] = to_ebnf(pattern, search=True, json=True)
+        return self._by_source[source]
+
+    def schema(self, schema):
+        return keywords.map_patterns(schema, self._mark) if isinstance(schema, dict) else schema
+
+    def tag(self, node):
+        """A structural tag with the patterns of the JSON schemas inside it marked."""
+        if isinstance(node, list):
+            return [self.tag(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            return {**node, "json_schema": self.schema(node["json_schema"])}
+        return {key: self.schema(value) if key == "schema" else self.tag(value) for key, value in node.items()}
+
+    def substitute(self, text: str, *, refuse: bool = True) -> str:
+        for marker, body in self.bodies.items():
+            rule = f'Regex("{marker}", json_string=true)'
+            if rule not in text and refuse:
+                raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
+                                      "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
+            text = text.replace(rule, body)
+        return text
 
 
 def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     """The xgrammar grammar of a ``json_schema`` constraint: patterns written by the library, JSON
     string characters fixed."""
-    spec, bodies = _patterns_as_markers(constraint.spec)
+    markers = _Markers()
+    spec = markers.schema(constraint.spec)
     try:
         grammar = reported(xgr.Grammar.from_json_schema, spec, strict_mode=constraint.strict,
                            refuse=constraint.unenforced != "allow", **_whitespace_options(constraint))
@@ -170,13 +195,9 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
             f"xgrammar could not convert this JSON schema ({engine_message(error)}); fix the schema"
             + (" or pass strict=False" if constraint.strict else "")
         ) from error
-    text = fixed = str(grammar)
-    for marker, body in bodies.items():
-        rule = f'Regex("{marker}", json_string=true)'
-        if rule not in fixed and constraint.unenforced != "allow":  # allowed: the output is validated afterwards
-            raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
-                                  "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
-        fixed = fixed.replace(rule, body)
+    text = str(grammar)
+    # allowed: the output is validated afterwards
+    fixed = markers.substitute(text, refuse=constraint.unenforced != "allow")
     if LENGTH_STRING_CLASS in fixed:
         fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
     if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
@@ -213,22 +234,29 @@ def lark_to_ebnf(grammar: str) -> str:
 
 
 def structural_tag_text(tag) -> str:
-    """xgrammar's EBNF of a structural tag (a dict or its JSON), bounded strings given JSON's
-    string class (as ``json_schema`` constraints get); raises xgrammar's own error."""
-    return str(xgr.Grammar.from_structural_tag(tag)).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+    """xgrammar's EBNF of a structural tag (a dict or its JSON), the patterns of its schemas written by
+    the library and bounded strings given JSON's string class (as ``json_schema`` constraints get);
+    raises xgrammar's own error."""
+    markers = _Markers()
+    marked = markers.tag(json.loads(tag) if isinstance(tag, str) else tag)
+    text = str(reported(xgr.Grammar.from_structural_tag, json.dumps(marked)))
+    return markers.substitute(text).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
 
 
 def structural_tag_ebnf(data, spec) -> str:
-    """A structural tag (``data``: parsed; ``spec``: as given) as xgrammar EBNF, bounded strings
-    given JSON's string class (as ``json_schema`` constraints get)."""
+    """A structural tag (``data``: parsed; ``spec``: as given) as xgrammar EBNF, patterns written by the
+    library, bounded strings given JSON's string class (as ``json_schema`` constraints get)."""
     try:
         if isinstance(data, dict) and "structures" in data:  # vLLM's legacy format (begin / schema / end)
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in data["structures"]]
-            text = str(xgr.Grammar.from_structural_tag(items, data["triggers"]))
-            text = text.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+            markers = _Markers()
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(markers.schema(s["schema"])),
+                                           end=s["end"]) for s in data["structures"]]
+            text = str(reported(xgr.Grammar.from_structural_tag, items, data["triggers"]))
+            text = markers.substitute(text).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
         else:
-            text = structural_tag_text(spec if isinstance(spec, str) else json.dumps(spec))
+            text = structural_tag_text(data if isinstance(data, dict) else spec)
+    except ConstraintError:
+        raise
     except Exception as error:  # noqa: BLE001 - xgrammar's message
         raise ConstraintError(f"xgrammar could not read this structural tag ({' '.join(str(error).split())[:300]})") \
             from error
