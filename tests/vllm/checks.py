@@ -16,7 +16,9 @@ SCHEMAS = {
         "type": "object",
         # A pattern, not maxLength: vLLM's xgrammar 0.2.8 grammar for a length-bounded string admits raw
         # control characters (invalid JSON), which sampled requests do emit (README, "Serving with vLLM").
-        "properties": {"name": {"type": "string", "pattern": "[A-Za-z ]{1,12}"},
+        # Anchored: stock vLLM reads every pattern as anchored, the plugin reads it as JSON Schema does (a
+        # search), so only an anchored pattern means the same to both servers.
+        "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
                        "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"], "additionalProperties": False,
     },
