@@ -21,7 +21,8 @@ from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra import logic
 from neuron_constrain.structured.algebra.caps import over
 from neuron_constrain.structured.algebra.disjoint import disjoint
-from neuron_constrain.structured.algebra.logic import complement, is_true, join, meet
+from neuron_constrain.structured.algebra.logic import is_true, join, meet
+from neuron_constrain.structured.algebra.negation import complement
 
 # Keywords the algebra removes where it can; left in a subtree, they make it stuck (never moved).
 ELIMINATED = frozenset({"if", "then", "else", "not", "dependentRequired", "dependentSchemas", "dependencies",

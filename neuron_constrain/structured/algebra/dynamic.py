@@ -85,16 +85,16 @@ class _Writer:
                 found = self.targets.get(outer + "#" + fragment)
                 if outer + "#" + fragment in self.dynamic and found is not None:
                     target = found
-        return self.copy_ref(target, scope, path)
+        return self.copy_ref(target, scope, path, "$dynamicRef" if dynamic else "$ref")
 
-    def copy_ref(self, target: str, scope: tuple, path: str) -> str:
+    def copy_ref(self, target: str, scope: tuple, path: str, keyword: str) -> str:
         kept: list = []
         for uri in reversed(scope):  # outermost first, each resource once (where it is outermost)
             if uri in self.scoped and uri not in kept:
                 kept.append(uri)
         key = (target, tuple(reversed(kept)))
         if key not in self.written:
-            with site("$dynamicRef", path):
+            with site(keyword, path):
                 over("specializations", len(self.written))
             name = f"__dyn{len(self.defs)}"
             self.written[key] = f"#/$defs/{name}"

@@ -22,7 +22,8 @@ from neuron_constrain.structured.algebra import logic
 from neuron_constrain.structured.algebra.caps import CAPS, over
 from neuron_constrain.structured.algebra.conditionals import attach, stuck
 from neuron_constrain.structured.algebra.disjoint import disjoint, finite_values
-from neuron_constrain.structured.algebra.logic import complement, join, meet
+from neuron_constrain.structured.algebra.logic import join, meet
+from neuron_constrain.structured.algebra.negation import complement
 
 _SMALL_RANGE = 16
 
@@ -160,6 +161,14 @@ def contains(node: dict, path: str, judge):
 
 def _side(schema, wanted, negated, judge):
     """True: every value of ``schema`` satisfies ``wanted``; False: none does; None: unknown."""
+    values = domain(schema)
+    if values is not None:
+        try:
+            matched = {judge.valid(wanted, v) for v in values if judge.valid(schema, v)}
+        except judge.Unjudged:
+            matched = {True, False}
+        if len(matched) < 2:
+            return True if matched != {False} else False
     if negated is not None and disjoint(schema, negated, judge):
         return True
     if disjoint(schema, wanted, judge):

@@ -30,7 +30,8 @@ from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra.caps import over, site
 from neuron_constrain.structured.algebra.conditionals import attach
 from neuron_constrain.structured.algebra.disjoint import disjoint
-from neuron_constrain.structured.algebra.logic import complement, is_true, join, meet
+from neuron_constrain.structured.algebra.logic import is_true, join, meet
+from neuron_constrain.structured.algebra.negation import complement
 
 APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
 UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
