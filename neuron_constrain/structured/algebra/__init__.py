@@ -31,7 +31,7 @@ import json
 
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra import conditionals, dialects, dynamic, finite, logic, unevaluated
-from neuron_constrain.structured.algebra.caps import CAPS, CapReached, site
+from neuron_constrain.structured.algebra.caps import CAPS, CapReached, Over
 
 __all__ = ["CAPS", "CapReached", "lower"]
 
@@ -47,6 +47,9 @@ STEPS = (
 )
 
 
+_HANDLED = conditionals.ELIMINATED | {"oneOf"}  # a schema without these needs only normalize
+
+
 def lower(schema):
     """``schema`` (never modified) in the keywords engines enforce, where a rewrite keeps its meaning."""
     declared, order = dialects.draft(schema), logic.ORDER.set(logic.first_seen(schema))
@@ -54,11 +57,12 @@ def lower(schema):
         schema = rewrite.normalize(dynamic.resolve(dialects.to_2020(schema)))
         if not isinstance(schema, dict):
             return schema
-        hoist(schema)
-        judge = Judge(schema, declared)
-        schema = finite.collapse(schema, judge)
-        schema = unevaluated.resolve(schema, judge)
-        schema = _rewrite(schema, judge, "#")
+        if any(_HANDLED & set(node) for _, node in rewrite.walk(schema)):
+            hoist(schema)
+            judge = Judge(schema, declared)
+            schema = finite.collapse(schema, judge)
+            schema = unevaluated.resolve(schema, judge)
+            schema = _rewrite(schema, judge, "#")
     finally:
         logic.ORDER.reset(order)
     if not isinstance(schema, dict):
@@ -88,8 +92,10 @@ def _rewrite(node, judge, path: str):
     for suffix, container, key in list(rewrite.children(node)):
         container[key] = _rewrite(container[key], judge, path + suffix)
     for keyword, step in STEPS:
-        with site(keyword, path):
+        try:
             node = step(node, path, judge)
+        except Over as passed:
+            raise CapReached(passed.cap, passed.count, keyword, path) from None
         if not isinstance(node, dict):
             return node
     return node
@@ -111,6 +117,7 @@ class Judge:
         self.validator = cls(root, format_checker=formats)
 
     def valid(self, node, value) -> bool:
+        """Whether ``jsonschema`` accepts ``value`` under ``node`` (its references resolved in the document)."""
         try:
             return self.validator.evolve(schema=node).is_valid(value)
         except Exception as error:  # noqa: BLE001 - any failure of the referee: no verdict

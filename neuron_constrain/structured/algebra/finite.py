@@ -57,8 +57,8 @@ def collapse(node, judge):
     valid values (judged by ``jsonschema`` on the node as written)."""
     if not isinstance(node, dict):
         return node
-    values = domain(node) if stuck(node) else None
-    if values is not None and len(values) <= CAPS["enumerated"] and set(logic.assertions(node)) - {"enum"}:
+    values = domain(node)
+    if values is not None and len(values) <= CAPS["enumerated"] and set(logic.assertions(node)) - {"enum"} and stuck(node):
         try:
             kept = [v for v in values if judge.valid(node, v)]
         except judge.Unjudged:
