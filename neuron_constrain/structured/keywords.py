@@ -28,7 +28,7 @@ import json
 import re
 from typing import Callable, Iterator
 
-from neuron_constrain.structured import patterns
+from neuron_constrain.structured import algebra, patterns
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.constraints import ConstraintError
 
@@ -200,7 +200,7 @@ def prepare(schema, engine, narrowed: list | None = None):
     """The schema ``engine`` compiles: ``normalize`` (meaning kept), then the engine's own rewrites;
     ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed."""
     lists = allowlist(engine)
-    prepared = rewrite.normalize(schema)
+    prepared = algebra.lower(schema)  # normalize, and the rewrites of the schema algebra (meaning kept)
     if not isinstance(prepared, dict):
         return prepared
     if "distribute" in lists.rewrites:

@@ -1,0 +1,155 @@
+"""The schema algebra: what no engine reads, rewritten into the same meaning in keywords an engine enforces.
+
+    schema = lower(schema)      # a copy: the same values valid, fewer keywords no engine enforces
+
+Engine-neutral; ``keywords.prepare`` runs it before each engine's own rewrites and the policy,
+which still refuses, by keyword and JSON pointer, whatever no rewrite here expresses. In order:
+
+    dialects.to_2020      draft-4/6/7/2019-09 spellings -> their 2020-12 meaning, by `$schema`
+    dynamic.resolve       `$dynamicRef` -> `$ref` to copies per dynamic scope (the document fixes it)
+    normalize             schema_rewrite.normalize: `$ref`s as pointers, `true` as {}
+    hoist                 every `$ref` target at `#` or directly under the root's `$defs`, so that
+                          the rewrites below may move subtrees without breaking a pointer
+    finite.collapse       a node with finitely many values -> the `enum` of those jsonschema accepts
+    unevaluated.resolve   unevaluatedProperties/Items -> additionalProperties/items per case
+    then, per node, children first:
+      conditionals        then/else alone, uniqueItems false, ... dropped; dependentRequired,
+                          dependentSchemas, if/then/else, oneOf -> anyOf; not -> its complement
+      finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
+                          finite item domains -> the enum of the arrays
+
+Every rewrite keeps the set of valid values exactly (``tests/test_schema_algebra.py`` checks it
+with ``jsonschema`` against the schema as sent, and teacher-forces the engines); a rewrite whose
+output would pass a size cap (``CAPS``) raises :class:`CapReached` naming the cap and the pointer.
+Checks of values (``enum`` filtering, disjointness by values) are ``jsonschema``'s, in 2020-12
+with the formats of the schema's own draft asserted, as ``keywords.post_validate`` judges.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+from neuron_constrain.structured import schema_rewrite as rewrite
+from neuron_constrain.structured.algebra import conditionals, dialects, dynamic, finite, logic, unevaluated
+from neuron_constrain.structured.algebra.caps import CAPS, CapReached, Over
+
+__all__ = ["CAPS", "CapReached", "lower"]
+
+# The rewrites made on each node, children first, with the keyword a cap error names.
+STEPS = (
+    ("then", conditionals.drop_vacuous),
+    ("dependentSchemas", conditionals.dependencies),
+    ("if", conditionals.conditional),
+    ("oneOf", conditionals.one_of),
+    ("not", conditionals.negation),
+    ("contains", finite.contains),
+    ("uniqueItems", finite.unique_items),
+)
+
+
+_HANDLED = conditionals.ELIMINATED | {"oneOf"}  # a schema without these needs only normalize
+
+
+def lower(schema):
+    """``schema`` (never modified) in the keywords engines enforce, where a rewrite keeps its meaning."""
+    declared, order = dialects.draft(schema), logic.ORDER.set(logic.first_seen(schema))
+    try:
+        schema = rewrite.normalize(dynamic.resolve(dialects.to_2020(schema)))
+        if not isinstance(schema, dict):
+            return schema
+        if any(_HANDLED & set(node) for _, node in rewrite.walk(schema)):
+            hoist(schema)
+            judge = Judge(schema, declared)
+            schema = finite.collapse(schema, judge)
+            schema = unevaluated.resolve(schema, judge)
+            schema = _rewrite(schema, judge, "#")
+    finally:
+        logic.ORDER.reset(order)
+    if not isinstance(schema, dict):
+        return schema
+    schema = json.loads(json.dumps(schema))  # no subschema shared (later rewrites edit nodes in place)
+    for _, node in rewrite.walk(schema):
+        declare_required(node)
+    return schema
+
+
+def declare_required(node: dict) -> None:
+    """A required name missing from ``properties`` is declared there as ``{}`` where nothing else sees
+    ``properties`` (no ``additionalProperties``/``unevaluatedProperties``): the same values valid, and
+    engines then require it in its place (xgrammar ignores an undeclared required name)."""
+    required = node.get("required")
+    if not isinstance(required, list) or {"additionalProperties", "unevaluatedProperties"} & set(node):
+        return
+    properties = node.get("properties", {})
+    missing = [name for name in required if isinstance(name, str) and name not in properties]
+    if missing and isinstance(properties, dict):
+        node["properties"] = {**properties, **{name: {} for name in missing}}
+
+
+def _rewrite(node, judge, path: str):
+    if not isinstance(node, dict):
+        return node
+    for suffix, container, key in list(rewrite.children(node)):
+        container[key] = _rewrite(container[key], judge, path + suffix)
+    for keyword, step in STEPS:
+        try:
+            node = step(node, path, judge)
+        except Over as passed:
+            raise CapReached(passed.cap, passed.count, keyword, path) from None
+        if not isinstance(node, dict):
+            return node
+    return node
+
+
+class Judge:
+    """``jsonschema`` over the document being lowered: the referee's reading of a node and a value."""
+
+    class Unjudged(Exception):
+        """``jsonschema`` could not apply the node (a remote reference, a bad pattern)."""
+
+    def __init__(self, root: dict, declared: int):
+        import jsonschema  # keywords.py's referee too
+
+        cls = jsonschema.Draft202012Validator
+        formats = jsonschema.validators.validator_for(
+            {"$schema": dialects.SCHEMAS.get(declared, dialects.LATEST)}, default=cls).FORMAT_CHECKER
+        self.root = root
+        self.validator = cls(root, format_checker=formats)
+
+    def valid(self, node, value) -> bool:
+        """Whether ``jsonschema`` accepts ``value`` under ``node`` (its references resolved in the document)."""
+        try:
+            return self.validator.evolve(schema=node).is_valid(value)
+        except Exception as error:  # noqa: BLE001 - any failure of the referee: no verdict
+            raise Judge.Unjudged(str(error)) from error
+
+    def resolve(self, ref: str):
+        """The schema a local pointer names (None: not local, or nothing there)."""
+        if ref != "#" and not ref.startswith("#/"):
+            return None
+        return rewrite._node_at(self.root, ref)
+
+
+def hoist(schema: dict) -> None:
+    """Every ``$ref`` pointing below the root's ``$defs``/``definitions`` entries points at a copy there."""
+    targets = {}
+    for _, node in rewrite.walk(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and not _top_level(ref):
+            target = rewrite._node_at(schema, ref)
+            if isinstance(target, (dict, bool)):
+                targets.setdefault(ref, target)
+    if not targets:
+        return
+    names = {ref: f"__at{index}" for index, ref in enumerate(targets)}
+    for _, node in rewrite.walk(schema):
+        if node.get("$ref") in names:
+            node["$ref"] = f"#/$defs/{names[node['$ref']]}"
+    defs = schema.setdefault("$defs", {})
+    for ref, target in targets.items():
+        defs[names[ref]] = copy.deepcopy(target)
+
+
+def _top_level(ref: str) -> bool:
+    parts = ref.split("/")
+    return len(parts) == 3 and parts[1] in ("$defs", "definitions")
