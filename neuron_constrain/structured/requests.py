@@ -21,6 +21,7 @@ from neuron_constrain.structured.compile_cache import CompileCache
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
 from neuron_constrain.structured.errors import BatchLayoutError, GrammarFailedError, RequestFailedError
 from neuron_constrain.structured.layout import RequestState
+from neuron_constrain.structured.limits import check as check_limits
 
 
 class Requests:
@@ -47,7 +48,9 @@ class Requests:
         self.version += 1
         if constraint is None:
             return
-        try:  # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
+        try:  # the limits first: nothing else reads a constraint past them (its cache key would recurse on depth)
+            check_limits(constraint, self.engine.limits)
+            # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
             self.engine.parse(constraint)
         except ConstraintError as error:
             self.fail(request_id, state, GrammarFailedError(f"request {request_id!r}: {error}", request_id))

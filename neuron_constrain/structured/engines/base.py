@@ -41,7 +41,7 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.structured import keywords
+from neuron_constrain.structured import keywords, limits as limits_, satisfiable
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 
@@ -94,7 +94,9 @@ class GrammarEngine(abc.ABC):
 
     name: ClassVar[str] = ""
 
-    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0,
+                 limits: limits_.Limits | None = None):
+        self.limits = limits or limits_.DEFAULT  # checked first by every compile (limits.py)
         info = tokenizer.info
         self.tokenizer = tokenizer
         self.info = info
@@ -118,10 +120,17 @@ class GrammarEngine(abc.ABC):
     def keyword_policy(self, constraint: Constraint) -> tuple[Constraint, tuple[keywords.Unenforced, ...]]:
         """The never-silent policy: the constraint this engine compiles (a JSON schema rewritten by
         :func:`keywords.prepare`), after raising for a keyword it would not enforce there or
-        (``unenforced="allow"``) listing them."""
+        (``unenforced="allow"``) listing them. First, before anything else reads the constraint, its
+        :class:`~neuron_constrain.structured.limits.Limits` (``LimitError``), then whether a JSON
+        schema admits any value (``satisfiable.UnsatisfiableError``)."""
+        limits_.check(constraint, self.limits)
         if constraint.kind != "json_schema":
             return constraint, ()
-        schema = keywords.prepare(constraint.spec, self.enforces)
+        satisfiable.check(constraint.spec)
+        try:
+            schema = keywords.prepare(constraint.spec, self.enforces)
+        except RecursionError:  # the depth limit keeps every walker within Python's stack; this is the backstop
+            raise limits_.LimitError("depth", "too deep for Python's stack", self.limits.depth) from None
         if schema is False:
             raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
         unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
