@@ -71,6 +71,7 @@ class CompileCache:
             self._jobs[compiled.constraint.key] = job
 
     def _compile(self, job: CompileJob, constraint: Constraint):
+        getattr(self.engine, "wait_ready", lambda: None)()  # worker start-up is not the compilation's time
         job.started = time.perf_counter()
         return self.engine.compile(constraint)
 

@@ -1,7 +1,8 @@
-"""A per-token budget for mask fills: a request whose grammar takes too long to fill fails alone.
+"""A per-token budget for mask fills: a request whose grammar takes too long to fill ends, alone.
 
     failure = over_budget(seconds, limits)                     # the LimitError("fill_ms") of one slow fill
     failures = slow_rows(matchers, buffer, rows, limits, skip)  # [(index, LimitError)]: each row timed once
+    may_end(buffer, row, stop_token_ids)                       # whether the row allows a stop token
 
 A fill cannot be stopped once started (xgrammar's runs in C++ on the calling thread), but
 how long it took can be known: an ambiguous grammar's fill grows with the text it has read
@@ -9,6 +10,9 @@ how long it took can be known: an ambiguous grammar's fill grows with the text i
 100 ms by the hundredth, 600 ms by the two-hundredth), so the step in which it first passes
 the budget is the last one it slows. The runtime times each step's fill; when the whole
 step passed the budget it times each row once more (``slow_rows``), to find whose it was.
+Such a request ends at once: where its grammar may end (``may_end``) its row allows only
+stop tokens, so its answer is complete and valid, cut where the budget ran out (as
+``max_tokens`` cuts one); elsewhere it fails with the ``LimitError``.
 """
 from __future__ import annotations
 
@@ -40,3 +44,9 @@ def slow_rows(matchers: Sequence, buffer, rows: Sequence[int], limits: Limits, s
         if seconds > budget:
             slow.append((index, over_budget(seconds, limits)))
     return slow
+
+
+def may_end(buffer, row: int, stop_token_ids) -> bool:
+    """Whether mask row ``row`` of ``buffer`` (packed int32) allows one of ``stop_token_ids``."""
+    words = buffer[row]
+    return any((int(words[token >> 5]) >> (token & 31)) & 1 for token in stop_token_ids)

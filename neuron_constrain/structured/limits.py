@@ -3,6 +3,7 @@
     limits = Limits(enum_values=10_000)            # the defaults, one raised
     check(constraint, limits)                      # LimitError: the limit, its value, where
     check_text("json", text, limits)               # the size and nesting of a constraint still as text
+    check_document(schema_dict, limits)            # the nesting and node count of a parsed one
     Limits.parse("enum_values=10000,depth=32")     # the server's form (``--limit``, NEURON_CONSTRAIN_LIMITS)
 
 Structural limits bound what a constraint may hold (:data:`DESCRIPTIONS`); they are what
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
@@ -40,6 +42,7 @@ DESCRIPTIONS = {
     "pattern_chars": "characters of one regex (a regex constraint, `pattern`, a `patternProperties` name)",
     "number_digits": "digits of a number bound (minimum, maximum, exclusive bounds, multipleOf)",
     "ref_chain": "`$ref`s followed from one `$ref` before a schema that is not one",
+    "answer_chars": "characters of the shortest value a JSON schema admits (no valid answer is shorter)",
     "compile_seconds": "seconds one compilation may take, from its start",
     "compile_memory_mb": "MiB one compilation may allocate (xgrammar's worker process)",
     "fill_ms": "milliseconds one request's mask fill may take for one token",
@@ -73,6 +76,7 @@ class Limits:
     pattern_chars: int = 4_096
     number_digits: int = 24
     ref_chain: int = 32
+    answer_chars: int = 16_384
     compile_seconds: float = 60.0
     compile_memory_mb: int = 2_048
     fill_ms: float = 50.0
@@ -176,6 +180,11 @@ def _schema(schema, limits: Limits) -> None:
         _node(schema, path, node, limits)
 
 
+def check_document(document, limits: Limits = DEFAULT) -> None:
+    """A JSON document (dicts and lists) within the depth and node limits, read iteratively."""
+    _shape(document, limits)
+
+
 def _shape(document, limits: Limits) -> None:
     """The nesting and the number of objects and arrays of a JSON document, read iteratively; it
     stops at the first limit passed."""
@@ -213,8 +222,8 @@ def _node(root: dict, path: str, node: dict, limits: Limits) -> None:
             raise LimitError("repeat", value, limits.repeat, f"{path}/{key}")
     for key in _NUMBER_BOUNDS:
         value = node.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 10.0 ** limits.number_digits:
-            raise LimitError("number_digits", _digits(value), limits.number_digits, f"{path}/{key}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _digits(value) > limits.number_digits:
+            raise LimitError("number_digits", f"{_digits(value)} digits", limits.number_digits, f"{path}/{key}")
     if isinstance(node.get("pattern"), str):
         _pattern(node["pattern"], f"{path}/pattern", limits)
     if isinstance(node.get("patternProperties"), dict):
@@ -224,8 +233,13 @@ def _node(root: dict, path: str, node: dict, limits: Limits) -> None:
         _ref_chain(root, path, node, limits)
 
 
-def _digits(value) -> str:
-    return f"{len(str(abs(int(value))))} digits"
+def _digits(value) -> int:
+    """Digits before the point (without writing the number out: 10**300 has 301; inf and nan: 400)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return 400
+        return int(math.log10(abs(value))) + 1 if abs(value) >= 1 else 1
+    return max(1, len(str(abs(value))) if value.bit_length() < 10_000 else int(value.bit_length() * 0.30103) + 1)
 
 
 def _pattern(pattern: str, where: str, limits: Limits) -> None:

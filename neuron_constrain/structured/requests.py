@@ -93,9 +93,10 @@ class Requests:
             queued = max(0.0, job.started - state.added)
             self.fail(request_id, state, GrammarFailedError(
                 f"request {request_id!r}: its {state.constraint.describe()} constraint did not compile within "
-                f"{state.timeout:g} s of its compilation starting (it waited {queued:.2f} s in the compile queue "
-                "before that); simplify the schema (fewer bounded strings/alternatives), resubmit with a longer "
-                "timeout, or send it without a constraint", request_id,
+                f"{state.timeout:g} s of its compilation starting (its time limit: compile_seconds, or the request's "
+                f"timeout; it waited {queued:.2f} s in the compile queue before that); simplify the schema (fewer "
+                "bounded strings/alternatives), resubmit with a longer timeout, or send it without a constraint",
+                request_id,
             ))
         return False
 

@@ -45,7 +45,8 @@ else up to 8). A fill thread past ``fill_timeout`` is abandoned and may still wr
 row: the runtime then moves to a fresh buffer, so no model ever reads a row a straggler
 writes. A fill on the calling thread cannot be stopped; every fill is timed instead: a request whose
 fill takes longer than ``limits.fill_ms`` for one token (an ambiguous grammar's work grows with
-its text) fails alone after that step, so the batch's other rows keep their step time.
+its text) ends after that step (``fill_budget.py``: with a stop token where its grammar may
+end, ``budget_ended``; else failed), so the batch's other rows keep their step time.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ from neuron_constrain.structured.errors import (
     RequestFailedError,
     StructuredOutputsDisabledError,
 )
-from neuron_constrain.structured.fill_budget import over_budget, slow_rows
+from neuron_constrain.structured.fill_budget import may_end, over_budget, slow_rows
 from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact_run
 from neuron_constrain.structured.limits import DEFAULT as DEFAULT_LIMITS, LimitError, Limits
 from neuron_constrain.structured.layout import Layout, lay_out
@@ -184,6 +185,7 @@ class StructuredRuntime:
         self.last_fill_seconds = 0.0  # the engine's fill / accept / rollback inside it
         self.last_accept_seconds = 0.0  # whole accept_rows()
         self.last_accept_engine_seconds = 0.0  # the engine's accept inside it
+        self.budget_ended = 0  # requests ended with a stop token when their fill passed limits.fill_ms
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -349,10 +351,16 @@ class StructuredRuntime:
         return failures
 
     def _fill_failed(self, plan: Layout, failures: list[tuple[int, BaseException]]) -> None:
-        """Fail the requests whose fill raised or hung; a hung fill may still write: use a fresh buffer."""
+        """Fail the requests whose fill raised or hung (a hung fill may still write: use a fresh buffer);
+        a request past its fill budget where its grammar may end gets a stop-only row instead."""
         if any(isinstance(error, FillTimeout) for _, error in failures):
             self.mask.replace()
         for index, error in failures:
+            row = plan.fill_rows[index]
+            if isinstance(error, LimitError) and may_end(self.mask.buffer, row, self.stop_token_ids):
+                self.mask.stop(row, row + 1)  # its answer is complete here: it ends with its stop token
+                self.budget_ended += 1
+                continue
             request_id = plan.key[plan.positions[index]]
             self.requests.fail(request_id, plan.requests[index], GrammarFillError(
                 f"request {request_id!r}: {engine_message(error)}" if isinstance(error, (FillTimeout, LimitError)) else

@@ -1,6 +1,8 @@
-"""``check(schema)``: refuse a JSON schema that no value satisfies, saying why and where.
+"""``check(schema)``: refuse a JSON schema that no value satisfies, or whose shortest value is too long.
 
-    check(schema)       # UnsatisfiableError: "the schema admits no value: ... at #/..."
+    check(schema)                      # UnsatisfiableError: "the schema admits no value: ... at #/..."
+    check(schema, answer_chars=16384)  # LimitError("answer_chars"): its shortest value has more characters
+    shortest(schema)                   # a lower bound on its values' length as compact JSON (inf: none)
 
 An engine compiles such a schema into a grammar with no way to finish (a ``$ref`` cycle with
 no base case compiles, and its request then dies mid-answer); refused before any engine reads
@@ -18,14 +20,20 @@ Which schema objects admit a finite value is a least fixed point over the schema
 start unknown (no), each becomes yes when its own keywords allow a value given what its
 subschemas admit, and a node is looked at again only when a subschema it reads turned yes
 (a worklist: linear in the schema). A ``$ref`` cycle whose every path requires going round
-again never turns yes. Iterative throughout: depth costs no stack.
+again never turns yes. The shortest value's length is the same fixed point over numbers
+(a lower bound: the required properties, ``minItems`` items, ``minLength`` characters, the
+shortest ``enum`` value, the shortest ``anyOf`` branch, written without whitespace), which
+finds what no answer could fit in: ``$ref``s that double at each level, bounds that multiply
+through nesting. Iterative throughout: depth costs no stack.
 """
 from __future__ import annotations
 
+import json
 import math
 
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.constraints import ConstraintError
+from neuron_constrain.structured.limits import LimitError
 
 TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 
@@ -38,22 +46,42 @@ class UnsatisfiableError(ConstraintError):
         super().__init__(f"the schema admits no value: {why}; fix the schema (no answer could ever be valid)")
 
 
-def check(schema) -> None:
-    """Raise :class:`UnsatisfiableError` if ``schema`` (a JSON schema dict) admits no value."""
+def check(schema, answer_chars: int | None = None) -> None:
+    """Raise :class:`UnsatisfiableError` if ``schema`` (a JSON schema dict) admits no value, and
+    ``LimitError("answer_chars")`` if its shortest value is longer than ``answer_chars``."""
     if schema is False:
         raise UnsatisfiableError("it is `false`", "#")
     if not isinstance(schema, dict):
         return
-    paths = {}
-    nodes = []
+    state, nodes = _solved(schema)
+    if not state.ok[id(schema)]:
+        raise UnsatisfiableError(*state.explain(schema))
+    if answer_chars is not None:
+        least = _Shortest(state).solve(nodes)
+        if least > answer_chars:
+            raise LimitError("answer_chars", f"{least:,} characters", answer_chars)
+
+
+def shortest(schema) -> float:
+    """A lower bound on the length of ``schema``'s values written as compact JSON; ``math.inf`` when
+    it admits none (as :func:`check` finds it)."""
+    if schema is False:
+        return math.inf
+    if not isinstance(schema, dict):
+        return 1
+    state, nodes = _solved(schema)
+    return _Shortest(state).solve(nodes) if state.ok[id(schema)] else math.inf
+
+
+def _solved(schema: dict):
+    paths, nodes = {}, []
     for path, node in rewrite.walk(schema):
         if id(node) not in paths:
             paths[id(node)] = path
             nodes.append(node)
     state = _Solver(schema, paths)
     state.solve(nodes)
-    if not state.ok[id(schema)]:
-        raise UnsatisfiableError(*state.explain(schema))
+    return state, nodes
 
 
 class _Solver:
@@ -183,7 +211,7 @@ class _Solver:
     def explain(self, root: dict) -> tuple[str, str]:
         """(why, where) for the root: the chain of blamed subschemas, followed to a node that fails
         by its own keywords, or round a cycle."""
-        seen, chain, node = set(), [], root
+        seen, chain, node, first = set(), [], root, None
         while True:
             path = self.paths.get(id(node), "#")
             if id(node) in seen:
@@ -193,11 +221,19 @@ class _Solver:
             seen.add(id(node))
             chain.append(path)
             why, blame = self.why(node)
+            first = first or f"{why} (at {path})"
             if not isinstance(blame, dict):
                 if blame is False:
                     why += " (it is `false`)"
-                return f"{why} at {path}", path
+                return (f"{why} at {path}" if len(chain) == 1 else f"{first}: {why} at {path}"), path
             node = blame
+
+
+def _length(value) -> int:
+    """Its shortest compact JSON text (an integral float matches the integer, as JSON Schema says)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
 
 
 def _is(kind: str, value) -> bool:
@@ -240,3 +276,69 @@ def _numbers(node: dict, *, integer: bool):
         if first > last:
             return f"no integer lies between its bounds {low} and {high}", None
     return None
+
+
+class _Shortest:
+    """The length of each schema's shortest value (a lower bound), as a fixed point from infinity down."""
+
+    def __init__(self, solver: _Solver):
+        self.solver = solver
+        self.least = {key: math.inf for key in solver.paths}
+
+    def solve(self, nodes: list[dict]) -> float:
+        work, budget = list(nodes), 64 * len(nodes) + 64  # the values only fall; the budget is a backstop
+        while work and budget:
+            budget -= 1
+            node = work.pop()
+            value = self.of(node)
+            if value < self.least[id(node)]:
+                self.least[id(node)] = value
+                work.extend(self.solver.readers.get(id(node), ()))
+        return self.least[id(self.solver.root)] if not work else 0  # not settled: no verdict
+
+    def size(self, schema) -> float:
+        if schema is False:
+            return math.inf
+        return 1 if not isinstance(schema, dict) else self.least.get(id(schema), 1)
+
+    def of(self, node: dict) -> float:
+        bounds = [0]
+        target = self.solver._target(node)
+        if target is not None:
+            bounds.append(self.size(target))
+        every = node.get("allOf")
+        bounds += [self.size(b) for b in every] if isinstance(every, list) else []
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key)
+            if isinstance(branches, list) and branches:
+                bounds.append(min(self.size(b) for b in branches))
+        kinds = self.solver._types(node)
+        if "const" in node or isinstance(node.get("enum"), list):
+            values = [node["const"]] if "const" in node else node["enum"]
+            bounds.append(min((_length(v) for v in values if any(_is(t, v) for t in kinds)), default=math.inf))
+        else:
+            bounds.append(min((self._kind(kind, node) for kind in kinds), default=math.inf))
+        return max(bounds)
+
+    def _kind(self, kind: str, node: dict) -> float:
+        if kind == "string":
+            least = node.get("minLength")
+            return 2 + (least if isinstance(least, int) else 0)
+        if kind == "array":
+            count = node.get("minItems") if isinstance(node.get("minItems"), int) else 0
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            rest = node.get("items") if isinstance(node.get("items"), (dict, bool)) else True
+            items = [self.size(prefix[i]) if i < len(prefix) else self.size(rest) for i in range(min(count, 4096))]
+            return 2 + sum(items) + max(count - 1, 0)
+        if kind == "object":
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            names = {name for name in required if isinstance(name, str)}
+            properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            extra = node.get("additionalProperties", True)
+            patterns = bool(node.get("patternProperties"))  # a pattern may name it: its value, 1 character or more
+
+            def value(name):
+                return self.size(properties[name]) if name in properties else 1 if patterns else self.size(extra)
+            total = sum(_length(n) + 1 + value(n) for n in names)
+            return 2 + total + max(len(names) - 1, 0)
+        return 1 if kind in ("number", "integer") else 4  # a digit; null, true

@@ -44,7 +44,6 @@ def hostile_constraints() -> dict[str, tuple[str, str]]:
                       "$ref": "#/$defs/node"},
         "huge_integer_bounds": {"type": "integer", "minimum": -10 ** 300, "maximum": 10 ** 300},
         "many_min_items": {"type": "array", "items": {"type": "integer"}, "minItems": 5_000},
-        "lookahead_pattern": {"type": "string", "pattern": "^(?=.*[0-9])(?=.*[a-z])(?!.*\\s).{8,64}$"},
         "contradictory_bounds": {"type": "object", "properties": {
             "n": {"type": "integer", "minimum": 10, "maximum": 3}}, "required": ["n"], "additionalProperties": False},
         "ref_fan_out": _ref_fan_out(40),
@@ -52,6 +51,7 @@ def hostile_constraints() -> dict[str, tuple[str, str]]:
     out = {name: ("json", json.dumps(value)) for name, value in schema.items()}
     out["huge_regex"] = ("regex", "(" + "|".join(_words(28_000, "x")) + ")")  # ~200,000 characters
     out["nested_repetitions"] = ("regex", "((([a-z]{1,40}){1,40}){1,40}){1,40}")
+    out["lookahead"] = ("regex", "(?=[a-z0-9]*[0-9])(?=[a-z0-9]*[a-z])[a-z0-9]{8,64}")
     out["ambiguous_ebnf"] = ("grammar", 'root ::= s\ns ::= s s | s s s | "a" | "aa" | ""\n')
     out["huge_choice"] = ("choice", json.dumps(_words(20_000, "c")))
     return out

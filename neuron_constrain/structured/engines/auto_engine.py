@@ -70,6 +70,9 @@ class AutoEngine(GrammarEngine):
             combined.unenforced = getattr(error, "unenforced", None)  # a refusal (keywords.py), not a syntax error
             raise combined from error
 
+    def wait_ready(self) -> None:
+        self.xgrammar.wait_ready()
+
     def matcher(self, compiled: Compiled):
         return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
 

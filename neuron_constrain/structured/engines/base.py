@@ -126,7 +126,7 @@ class GrammarEngine(abc.ABC):
         limits_.check(constraint, self.limits)
         if constraint.kind != "json_schema":
             return constraint, ()
-        satisfiable.check(constraint.spec)
+        satisfiable.check(constraint.spec, self.limits.answer_chars)
         try:
             schema = keywords.prepare(constraint.spec, self.enforces)
         except RecursionError:  # the depth limit keeps every walker within Python's stack; this is the backstop
@@ -135,6 +135,9 @@ class GrammarEngine(abc.ABC):
             raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
         unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
         return dataclasses.replace(constraint, spec=schema), unenforced
+
+    def wait_ready(self) -> None:
+        """Until the engine can start a compilation (its compile workers started); at once by default."""
 
     def parse(self, constraint: Constraint) -> None:
         """Raise :class:`ConstraintError` now, before any compilation, if ``constraint`` is

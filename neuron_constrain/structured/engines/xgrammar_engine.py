@@ -188,6 +188,10 @@ class XGrammarEngine(GrammarEngine):
 
     enforces = ENFORCES
 
+    def wait_ready(self) -> None:
+        if self.workers is not None:
+            self.workers.wait_ready()
+
     def compile(self, constraint) -> Compiled:
         prepared, unenforced = self.keyword_policy(constraint)
         if self.workers is not None:

@@ -16,7 +16,8 @@ both ways for a small schema). Bounds:
   a margin) stops it even if the caller died;
 * memory: its address space is capped at its size after start-up plus ``memory_mb``
   (RLIMIT_AS): an allocation past it fails, ``LimitError("compile_memory_mb")``;
-* CPU share: it runs at nice 19, so a serving process's own threads come first.
+* CPU share: it runs at nice 10 (a tenth of a normal process's weight), so a serving
+  process's own threads come first.
 
 At most ``processes`` compile at once (later callers wait their turn, which their deadline
 does not count); idle workers are reused, a killed one replaced on demand. Engines on one
@@ -42,6 +43,7 @@ from neuron_constrain.structured.limits import LimitError
 
 _CPU_MARGIN = 5  # seconds of CPU a job may use past its deadline before its worker stops itself
 SHARED = 4  # vocabularies whose workers are kept
+NICE = 10  # a worker's CPU weight is a tenth of a normal process's: serving comes first, compiles still move
 _CONTEXT = None
 _REGISTRY: "collections.OrderedDict[tuple, XGrammarWorkers]" = collections.OrderedDict()
 _REGISTRY_LOCK = threading.Lock()
@@ -124,6 +126,7 @@ class XGrammarWorkers:
         self._live: set[_Worker] = set()
         self.killed = 0  # workers stopped past a limit (killed at a deadline, dead, out of memory)
         self.closed = False
+        self._warmed = threading.Event()
         weakref.finalize(self, _stop_all, self._live)
         # the fork server's start imports xgrammar and the library (seconds): begun now, off the caller's path
         threading.Thread(target=self._warm, daemon=True, name="xgrammar-compile-warm").start()
@@ -133,7 +136,14 @@ class XGrammarWorkers:
             worker = self._take()
         except Exception:  # noqa: BLE001 - a compile that needs a worker starts one and reports why not
             return
+        finally:
+            self._warmed.set()
         self._give_back(worker)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the first worker has started (the fork server's imports): a compilation's time
+        limit counts from when a worker can take it."""
+        self._warmed.wait(timeout)
 
     def compile(self, constraint: Constraint, seconds: float):
         """``constraint`` (already through the engine's keyword policy) compiled in a worker."""
@@ -237,7 +247,7 @@ def _serve(conn, info_json: str, memory_mb: int) -> None:
 
     from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar
 
-    os.nice(19)
+    os.nice(NICE)
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1)
     del info_json
     _cap_address_space(memory_mb)
