@@ -349,7 +349,9 @@ def test_a_fill_past_its_budget_ends_its_request_alone(tekken):
     try:
         runtime.add("ambiguous", S.ebnf(AMBIGUOUS))
         runtime.add("digits", S.regex("[0-9]{1,400}"))
-        assert runtime.wait(timeout=60) == ["ambiguous", "digits"]
+        for request_id in ("ambiguous", "digits"):
+            runtime.wait([request_id], timeout=60)
+        assert runtime.ready() == ["ambiguous", "digits"]
         one = tekken.encode("1")[-1]
         stop = next(iter(runtime.stop_token_ids))
         for step in range(400):

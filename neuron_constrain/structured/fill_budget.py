@@ -8,8 +8,9 @@ A fill cannot be stopped once started (xgrammar's runs in C++ on the calling thr
 how long it took can be known: an ambiguous grammar's fill grows with the text it has read
 (an ``s ::= s s | "a"`` grammar on a 32,000-token vocabulary: 0.1 ms at the first token,
 100 ms by the hundredth, 600 ms by the two-hundredth), so the step in which it first passes
-the budget is the last one it slows. The runtime times each step's fill; when the whole
-step passed the budget it times each row once more (``slow_rows``), to find whose it was.
+the budget is the last one it slows. The runtime times each step's fill by the clock; when
+the step passed the budget it fills each row once more timed in the CPU time of its thread
+(``slow_rows``: a preempted thread on a busy host is not a slow grammar), to find whose it was.
 Such a request ends at once: where its grammar may end (``may_end``) its row allows only
 stop tokens, so its answer is complete and valid, cut where the budget ran out (as
 ``max_tokens`` cuts one); elsewhere it fails with the ``LimitError``.
@@ -27,10 +28,10 @@ def over_budget(seconds: float, limits: Limits) -> LimitError:
                       detail="its grammar's mask fill (an ambiguous grammar's work grows with its text)")
 
 
-def slow_rows(matchers: Sequence, buffer, rows: Sequence[int], limits: Limits, skip: set) -> list:
-    """Fill each row of ``matchers`` not in ``skip`` again (the same content), timed; the rows past
-    ``limits.fill_ms`` as ``(index, LimitError)``."""
-    budget, clock, slow = limits.fill_ms / 1e3, time.perf_counter, []
+def slow_rows(matchers: Sequence, buffer, rows: Sequence[int], limits: Limits, skip: set = frozenset()) -> list:
+    """Fill each row of ``matchers`` not in ``skip`` again (the same content), timed in this thread's
+    CPU time; the rows past ``limits.fill_ms`` as ``(index, LimitError)``."""
+    budget, clock, slow = limits.fill_ms / 1e3, time.thread_time, []
     for index, (matcher, row) in enumerate(zip(matchers, rows)):
         if index in skip:
             continue

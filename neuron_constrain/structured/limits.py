@@ -72,11 +72,11 @@ class Limits:
     enum_values: int = 4_096
     properties: int = 1_024
     branches: int = 256
-    repeat: int = 4_096
+    repeat: int = 65_536
     pattern_chars: int = 4_096
     number_digits: int = 24
     ref_chain: int = 32
-    answer_chars: int = 16_384
+    answer_chars: int = 8_192
     compile_seconds: float = 60.0
     compile_memory_mb: int = 2_048
     fill_ms: float = 50.0

@@ -72,7 +72,7 @@ from neuron_constrain.structured.errors import (
     RequestFailedError,
     StructuredOutputsDisabledError,
 )
-from neuron_constrain.structured.fill_budget import may_end, over_budget, slow_rows
+from neuron_constrain.structured.fill_budget import may_end, slow_rows
 from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact_run
 from neuron_constrain.structured.limits import DEFAULT as DEFAULT_LIMITS, LimitError, Limits
 from neuron_constrain.structured.layout import Layout, lay_out
@@ -340,8 +340,9 @@ class StructuredRuntime:
                 matchers[0].fill_next_token_bitmask(buffer, rows[0])
             except Exception as error:  # noqa: BLE001 - that request's own failure
                 return [(0, error)]
-            seconds = time.perf_counter() - start
-            return [] if seconds <= self.fill_budget else [(0, over_budget(seconds, self.limits))]
+            if time.perf_counter() - start <= self.fill_budget:
+                return []
+            return slow_rows(matchers, buffer, rows, self.limits)  # by the clock; in CPU time, really?
         if len(matchers) < self.parallel_min_rows:  # a few rows: on this thread
             failures = fill_each(matchers, buffer, rows)
         else:

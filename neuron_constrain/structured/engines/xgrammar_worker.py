@@ -22,8 +22,8 @@ both ways for a small schema). Bounds:
 At most ``processes`` compile at once (later callers wait their turn, which their deadline
 does not count); idle workers are reused, a killed one replaced on demand. Engines on one
 vocabulary share one set of workers (``shared_workers``: the last :data:`SHARED` vocabularies'
-are kept, an older set is closed), so a runtime made per call does not start processes per
-call. Workers leave when their set is closed or the caller exits (their pipe closes).
+are kept; an older set's idle workers stop, and it serves the engines that hold it on), so a
+runtime made per call does not start processes per call. Workers leave when their set is closed or the caller exits (their pipe closes).
 """
 from __future__ import annotations
 
@@ -105,8 +105,8 @@ def shared_workers(info, *, processes: int, memory_mb: int) -> "XGrammarWorkers"
         workers = _REGISTRY.get(key)
         if workers is None or workers.closed:
             workers = _REGISTRY[key] = XGrammarWorkers(info, processes=processes, memory_mb=memory_mb)
-            while len(_REGISTRY) > SHARED:
-                _REGISTRY.popitem(last=False)[1].close()
+            while len(_REGISTRY) > SHARED:  # forgotten: its idle workers stop, its engines keep using it
+                _REGISTRY.popitem(last=False)[1].stop_idle()
         _REGISTRY.move_to_end(key)
         workers.processes = max(workers.processes, processes)
         return workers
@@ -225,14 +225,18 @@ class XGrammarWorkers:
         with self._lock:
             return [w.process.pid for w in self._live if w.process.is_alive()]
 
+    def stop_idle(self) -> None:
+        """Stop the workers not compiling now (a later compilation starts one again)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._live.difference_update(idle)
+        for worker in idle:
+            worker.stop(kill=False)
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            idle, self._idle = self._idle, []
-        for worker in idle:
-            with self._lock:
-                self._live.discard(worker)
-            worker.stop(kill=False)
+        self.stop_idle()
 
 
 def _stop_all(live: set) -> None:
