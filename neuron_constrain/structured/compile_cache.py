@@ -1,4 +1,4 @@
-"""``CompileCache``: the runtime's one cache of compiled grammars, compiled on a thread pool.
+"""``CompileCache``: the runtime's one cache of compiled grammars, compiled on two thread pools.
 
     cache = CompileCache(engine, workers=2, size=512)
     job = cache.get(constraint)       # CompileJob: .future (-> engine.CompiledGrammar), .started (None while queued)
@@ -10,6 +10,8 @@ concurrent requests with one schema share one compilation. A failed compilation 
 kept: the next request with that constraint compiles it again. Past ``size`` entries the
 least recently used finished one is forgotten. ``job.started`` is when a worker began
 compiling (the request's time limit runs from then, not from when it was queued).
+Constraints compile on ``lanes.py``'s two lanes (``workers`` threads each): a large
+constraint waits behind large ones only.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import threading
 import time
 
 from neuron_constrain.structured.constraints import Constraint
+from neuron_constrain.structured.lanes import Lanes
 
 
 class CompileJob:
@@ -39,7 +42,7 @@ class CompileCache:
         self.misses = 0
         self._jobs: collections.OrderedDict[tuple, CompileJob] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._pool = Lanes(workers)
 
     def get(self, constraint: Constraint) -> CompileJob:
         key = constraint.key
@@ -50,7 +53,7 @@ class CompileCache:
                 self._jobs.move_to_end(key)
                 return job
             job = CompileJob()
-            job.future = self._pool.submit(self._compile, job, constraint)
+            job.future = self._pool.submit(len(key[1] or ""), self._compile, job, constraint)
             self.misses += 1
             self._jobs[key] = job
             if len(self._jobs) > self.size:  # forget the least recently used finished compilation
@@ -68,6 +71,7 @@ class CompileCache:
             self._jobs[compiled.constraint.key] = job
 
     def _compile(self, job: CompileJob, constraint: Constraint):
+        getattr(self.engine, "wait_ready", lambda: None)()  # worker start-up is not the compilation's time
         job.started = time.perf_counter()
         return self.engine.compile(constraint)
 

@@ -102,6 +102,9 @@ def json_schema(
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             raise ConstraintError(f"the JSON schema is not JSON ({error}); pass a dict or a JSON string") from error
+        except RecursionError:  # Python's reader recurses per level; the depth limit (limits.py) is far below
+            raise ConstraintError("the JSON schema nests deeper than Python's JSON reader can read (about 1000 "
+                                  "levels); the limit on nesting is Limits.depth (64 by default)") from None
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema is a dict (or true / false), got {type(schema).__name__}")
     if whitespace is None:

@@ -21,6 +21,7 @@ from neuron_constrain.structured.compile_cache import CompileCache
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
 from neuron_constrain.structured.errors import BatchLayoutError, GrammarFailedError, RequestFailedError
 from neuron_constrain.structured.layout import RequestState
+from neuron_constrain.structured.limits import check as check_limits
 
 
 class Requests:
@@ -47,7 +48,9 @@ class Requests:
         self.version += 1
         if constraint is None:
             return
-        try:  # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
+        try:  # the limits first: nothing else reads a constraint past them (its cache key would recurse on depth)
+            check_limits(constraint, self.engine.limits)
+            # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
             self.engine.parse(constraint)
         except ConstraintError as error:
             self.fail(request_id, state, GrammarFailedError(f"request {request_id!r}: {error}", request_id))
@@ -90,9 +93,10 @@ class Requests:
             queued = max(0.0, job.started - state.added)
             self.fail(request_id, state, GrammarFailedError(
                 f"request {request_id!r}: its {state.constraint.describe()} constraint did not compile within "
-                f"{state.timeout:g} s of its compilation starting (it waited {queued:.2f} s in the compile queue "
-                "before that); simplify the schema (fewer bounded strings/alternatives), resubmit with a longer "
-                "timeout, or send it without a constraint", request_id,
+                f"{state.timeout:g} s of its compilation starting (its time limit: compile_seconds, or the request's "
+                f"timeout; it waited {queued:.2f} s in the compile queue before that); simplify the schema (fewer "
+                "bounded strings/alternatives), resubmit with a longer timeout, or send it without a constraint",
+                request_id,
             ))
         return False
 

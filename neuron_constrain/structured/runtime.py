@@ -25,19 +25,28 @@ raise :class:`BatchLayoutError`; ``accept()`` of one request raises its
 :class:`DisallowedTokenError` and leaves the request as it was, for callers that retry.
 
 Compilation: ``compile_workers`` threads compile each constraint once (a repeated schema
-is free: ``cache_hits`` / ``cache_misses``). A request's time limit runs from when its
+is free: ``cache_hits`` / ``cache_misses``), and as many more for large constraints
+(``lanes.py``: a flood of large ones waits behind its own kind). A request's time limit runs from when its
 compilation starts, not while it waits in the queue (the error says how long it
 waited). A request whose grammar is not ready is **not scheduled**: ``ready()`` leaves
 it out; a caller that schedules a compiling request anyway makes ``step()`` wait for
-it (up to its limit). xgrammar cannot cancel a compilation: a timed-out one finishes in
-its worker and fills the cache for later requests.
+it (up to its limit). What one request may cost is bounded (``limits``, a
+:class:`~neuron_constrain.structured.limits.Limits`): its constraint is checked against the
+structural limits before anything reads it, and xgrammar, which cannot cancel a
+compilation, compiles in worker processes (one per compile thread; ``compile_isolation="process"``,
+the default): one past ``compile_timeout`` (``limits.compile_seconds``) or
+``limits.compile_memory_mb`` is killed and fails its request; a request with a shorter
+``timeout`` fails at it while the compilation goes on to fill the cache.
 
 Fill: one constrained row calls its matcher directly; more rows go to the engine's batch
 fill, which runs ``fill_threads`` threads without the GIL from ``parallel_min_rows`` rows
 on (default: 1 thread on a host of <= 2 cores, whose other core the model's step wants;
 else up to 8). A fill thread past ``fill_timeout`` is abandoned and may still write its
 row: the runtime then moves to a fresh buffer, so no model ever reads a row a straggler
-writes. A fill on the calling thread cannot be bounded.
+writes. A fill on the calling thread cannot be stopped; every fill is timed instead: a request whose
+fill takes longer than ``limits.fill_ms`` for one token (an ambiguous grammar's work grows with
+its text) ends after that step (``fill_budget.py``: with a stop token where its grammar may
+end, ``budget_ended``; else failed), so the batch's other rows keep their step time.
 """
 from __future__ import annotations
 
@@ -63,7 +72,9 @@ from neuron_constrain.structured.errors import (
     RequestFailedError,
     StructuredOutputsDisabledError,
 )
+from neuron_constrain.structured.fill_budget import may_end, slow_rows
 from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact_run
+from neuron_constrain.structured.limits import DEFAULT as DEFAULT_LIMITS, LimitError, Limits
 from neuron_constrain.structured.layout import Layout, lay_out
 from neuron_constrain.structured.mask_buffer import MaskBuffer
 from neuron_constrain.structured.requests import Requests
@@ -115,11 +126,13 @@ class StructuredRuntime:
         engine: str = "auto",
         fill_threads: int | None = None,
         compile_workers: int = 2,
-        compile_timeout: float = 60.0,
+        compile_timeout: float | None = None,
         cache_size: int = 512,
         parallel_min_rows: int = 16,
         fill_timeout: float = 120.0,
         jump_forward: str | None = None,
+        limits: Limits | None = None,
+        compile_isolation: str = "process",
     ):
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows <= 0:
             raise ValueError(f"max_rows must be positive (the largest batch, draft rows included), got {max_rows}")
@@ -131,7 +144,14 @@ class StructuredRuntime:
         if fill_threads is None:  # 2 cores: leave the model's step a core of its own
             fill_threads = 1 if (os.cpu_count() or 1) <= 2 else min(8, os.cpu_count())
         self.fill_threads = _count("fill_threads", fill_threads, 1)
-        self.compile_timeout = _seconds("compile_timeout", compile_timeout)
+        if compile_isolation not in ("process", "thread"):
+            raise ValueError(f"compile_isolation={compile_isolation!r}: pass 'process' (xgrammar compiles in worker "
+                             "processes the runtime kills past its limits) or 'thread' (no memory cap, no kill)")
+        self.limits = limits or DEFAULT_LIMITS
+        if compile_timeout is not None:
+            self.limits = dataclasses.replace(self.limits, compile_seconds=_seconds("compile_timeout", compile_timeout))
+        self.compile_timeout = self.limits.compile_seconds
+        self.fill_budget = self.limits.fill_ms / 1e3
         self.fill_timeout = _seconds("fill_timeout", fill_timeout)
         _count("compile_workers", compile_workers, 1)
         _count("cache_size", cache_size, 1)
@@ -149,7 +169,9 @@ class StructuredRuntime:
         self.stop_token_ids = frozenset(self.info.stop_token_ids)
         if not self.stop_token_ids:
             raise ValueError("the tokenizer info has no stop token; build it with stop_token_ids=[<eos id>]")
-        self.engine = make_engine(engine, tokenizer, fill_threads=fill_threads, fill_timeout=self.fill_timeout)
+        self.engine = make_engine(engine, tokenizer, fill_threads=fill_threads, fill_timeout=self.fill_timeout,
+                                  limits=self.limits,
+                                  compile_processes=2 * compile_workers if compile_isolation == "process" else 0)
         self.requests = Requests(self.engine, compiled=CompileCache(self.engine, workers=compile_workers, size=cache_size),
                                  timeout=self.compile_timeout)
         self.acceptor = Acceptor(self.requests, self.engine, vocab_size=self.vocab_size,
@@ -163,6 +185,7 @@ class StructuredRuntime:
         self.last_fill_seconds = 0.0  # the engine's fill / accept / rollback inside it
         self.last_accept_seconds = 0.0  # whole accept_rows()
         self.last_accept_engine_seconds = 0.0  # the engine's accept inside it
+        self.budget_ended = 0  # requests ended with a stop token when their fill passed limits.fill_ms
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -311,24 +334,37 @@ class StructuredRuntime:
 
     def _fill(self, matchers: list, rows: list[int]) -> list[tuple[int, BaseException]]:
         buffer = self.mask.buffer
+        start = time.perf_counter()
         if len(matchers) == 1:  # the matcher directly
             try:
                 matchers[0].fill_next_token_bitmask(buffer, rows[0])
             except Exception as error:  # noqa: BLE001 - that request's own failure
                 return [(0, error)]
-            return []
+            if time.perf_counter() - start <= self.fill_budget:
+                return []
+            return slow_rows(matchers, buffer, rows, self.limits)  # by the clock; in CPU time, really?
         if len(matchers) < self.parallel_min_rows:  # a few rows: on this thread
-            return fill_each(matchers, buffer, rows)
-        return self.engine.batch_fill(matchers, buffer, rows)  # fill_threads threads, GIL released
+            failures = fill_each(matchers, buffer, rows)
+        else:
+            failures = self.engine.batch_fill(matchers, buffer, rows)  # fill_threads threads, GIL released
+        if time.perf_counter() - start > self.fill_budget:  # some row may be over its budget: time each once
+            failures += slow_rows(matchers, buffer, rows, self.limits, {index for index, _ in failures})
+        return failures
 
     def _fill_failed(self, plan: Layout, failures: list[tuple[int, BaseException]]) -> None:
-        """Fail the requests whose fill raised or hung; a hung fill may still write: use a fresh buffer."""
+        """Fail the requests whose fill raised or hung (a hung fill may still write: use a fresh buffer);
+        a request past its fill budget where its grammar may end gets a stop-only row instead."""
         if any(isinstance(error, FillTimeout) for _, error in failures):
             self.mask.replace()
         for index, error in failures:
+            row = plan.fill_rows[index]
+            if isinstance(error, LimitError) and may_end(self.mask.buffer, row, self.stop_token_ids):
+                self.mask.stop(row, row + 1)  # its answer is complete here: it ends with its stop token
+                self.budget_ended += 1
+                continue
             request_id = plan.key[plan.positions[index]]
             self.requests.fail(request_id, plan.requests[index], GrammarFillError(
-                f"request {request_id!r}: {engine_message(error)}" if isinstance(error, FillTimeout) else
+                f"request {request_id!r}: {engine_message(error)}" if isinstance(error, (FillTimeout, LimitError)) else
                 f"request {request_id!r}: its grammar fill failed ({engine_message(error)}); resubmit it", request_id,
             ))
             self.mask.stop(plan.fill_rows[index], plan.fill_rows[index] + 1)

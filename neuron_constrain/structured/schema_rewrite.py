@@ -77,12 +77,23 @@ def children(node: dict):
 
 
 def walk(schema, path: str = "#"):
-    """Every schema object in ``schema`` with its JSON pointer (``#`` is the root)."""
+    """Every schema object in ``schema`` with its JSON pointer (``#`` is the root), in preorder.
+    Iterative (no recursion however deep the schema); a node's children are read after the
+    caller had it, so a caller may rewrite a node before its subschemas are visited."""
     if not isinstance(schema, dict):
         return
     yield path, schema
-    for suffix, container, key in children(schema):
-        yield from walk(container[key], path + suffix)
+    stack = [(path, children(schema))]
+    while stack:
+        base, pending = stack[-1]
+        for suffix, container, key in pending:
+            node = container[key]
+            if isinstance(node, dict):
+                yield base + suffix, node
+                stack.append((base + suffix, children(node)))
+                break
+        else:
+            stack.pop()
 
 
 def declared_types(node: dict) -> frozenset | None:

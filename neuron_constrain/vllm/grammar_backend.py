@@ -18,16 +18,28 @@ xgrammar grammar is vLLM's own ``XgrammarGrammar`` around the library's compiled
 ``LLGuidanceMatcher`` behind vLLM's grammar interface. The token table is vLLM's own
 (``xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size)``, as vLLM's xgrammar
 backend builds it), so a grammar both compile alike gives the same masks as stock vLLM.
+
+What one request may cost is bounded here too, by the server's limits (``policy.server_limits``):
+xgrammar compiles in worker processes killed past ``compile_seconds`` or ``compile_memory_mb``
+(the request fails alone; the frontend's verdict refused most such constraints with a 400
+already), and every mask fill is timed: a request whose fill takes longer than ``fill_ms`` for one
+token (an ambiguous grammar's work grows with its text) ends there, so the batch's other rows
+keep their step time. Where its grammar may end, its row keeps only the stop tokens it allows:
+the model ends the answer, complete and valid (``nc_budget_ended``); elsewhere the grammar is
+marked failed (``nc_failure``) and the plugin's scheduler ends the request with an error after
+that step.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
+import time
 
 import torch
 import xgrammar as xgr
 
+from neuron_constrain.structured.limits import LimitError
 from neuron_constrain.vllm import check_vllm_version
 from neuron_constrain.vllm import policy
 
@@ -45,6 +57,50 @@ from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: 
 log = logging.getLogger("vllm.neuron_constrain")
 
 _CACHE = 256  # compiled grammars kept (per constraint key)
+COMPILE_PROCESSES = 4  # xgrammar worker processes (the scheduler's two lanes of two threads)
+
+
+class _Budget:
+    """A per-token budget on a grammar's fill (``nc_budget`` seconds; ``nc_stops``: a mask row of the
+    stop tokens): past it, the row keeps only its stop tokens (``nc_budget_ended``), or, where the
+    grammar may not end, the grammar is marked failed (``nc_failure``)."""
+
+    nc_failure: str | None = None
+    nc_budget_ended: bool = False
+    nc_budget: float = float("inf")
+    nc_stops: torch.Tensor | None = None
+
+    def _timed_fill(self, fill, bitmask: torch.Tensor, idx: int) -> None:
+        start = time.perf_counter()
+        fill(bitmask, idx)
+        if time.perf_counter() - start <= self.nc_budget or self.nc_failure is not None:
+            return
+        start = time.thread_time()  # past it by the clock: again in this thread's CPU time (not preempted)
+        fill(bitmask, idx)
+        seconds = time.thread_time() - start
+        if seconds <= self.nc_budget:
+            return
+        ends = bitmask[idx] & self.nc_stops
+        if bool(ends.any()):  # its answer may end here: it does, with one of the stop tokens it allows
+            bitmask[idx].copy_(ends)
+            self.nc_budget_ended = True
+        else:
+            self.nc_failure = policy.over_budget_message(seconds, self.nc_budget)
+
+
+def _stop_row(stop_ids, vocab_size: int) -> torch.Tensor:
+    """A packed int32 mask row allowing exactly ``stop_ids``."""
+    words = [0] * ((vocab_size + 31) // 32)
+    for token in stop_ids:
+        words[token >> 5] |= 1 << (token & 31)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+class BudgetedXgrammarGrammar(XgrammarGrammar, _Budget):
+    """vLLM's xgrammar grammar, its fills timed against the per-token budget."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
+        self._timed_fill(super().fill_bitmask, bitmask, idx)
 
 
 def vllm_tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -73,9 +129,10 @@ def library_tokenizer(tokenizer, info: xgr.TokenizerInfo, vocab_size: int):
     )
 
 
-class LibraryGrammar(StructuredOutputGrammar):
+class LibraryGrammar(StructuredOutputGrammar, _Budget):
     """A library matcher (llguidance's, wrapped by ``LLGuidanceMatcher``) behind vLLM's grammar
-    interface, with the semantics of vLLM's ``XgrammarGrammar``."""
+    interface, with the semantics of vLLM's ``XgrammarGrammar``; its fills timed like
+    :class:`BudgetedXgrammarGrammar`'s."""
 
     def __init__(self, engine, compiled):
         self.engine, self.compiled = engine, compiled
@@ -117,7 +174,7 @@ class LibraryGrammar(StructuredOutputGrammar):
         self._is_terminated = self.matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, idx)
+        self._timed_fill(self.matcher.fill_next_token_bitmask, bitmask, idx)
 
     def is_terminated(self) -> bool:
         return self._is_terminated
@@ -152,12 +209,15 @@ class LibraryBackend(StructuredOutputBackend):
         self.library_tokenizer = library_tokenizer(self.tokenizer, info, self.vocab_size)
         self.pieces = self.library_tokenizer.pieces  # the text each token adds, as the grammars read it
         self.stop_ids = frozenset(self.library_tokenizer.stop_token_ids)
-        self.engine = AutoEngine(self.library_tokenizer)
+        self.limits = policy.server_limits()
+        self.engine = AutoEngine(self.library_tokenizer, limits=self.limits, compile_processes=COMPILE_PROCESSES)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._lock = threading.Lock()
         self._compiled: dict = {}
-        self.counts = {"xgrammar": 0, "llguidance": 0, "compile_errors": 0}
+        self.counts = {"xgrammar": 0, "llguidance": 0, "compile_errors": 0, "limit_errors": 0, "over_budget": 0,
+                       "budget_ended": 0}
+        self.stop_row = _stop_row(self.stop_ids, self.vocab_size)
 
     def constraint(self, request_type: StructuredOutputOptions, grammar_spec: str):
         return policy.from_vllm(_KINDS[request_type], grammar_spec, whitespace=self.whitespace)
@@ -180,11 +240,12 @@ class LibraryBackend(StructuredOutputBackend):
         try:
             constraint = self.constraint(request_type, grammar_spec)
             compiled = self._compile(constraint)
-        except Exception:
+        except Exception as error:
             self.counts["compile_errors"] += 1
+            self.counts["limit_errors"] += isinstance(error, LimitError)
             raise  # vLLM fails this request alone (the frontend refused what the policy refuses, with a 400)
         if compiled.engine == "xgrammar":
-            grammar = XgrammarGrammar(
+            grammar = BudgetedXgrammarGrammar(
                 matcher=xgr.GrammarMatcher(compiled.grammar,
                                            override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
                                            max_rollback_tokens=self.num_speculative_tokens),
@@ -196,6 +257,7 @@ class LibraryBackend(StructuredOutputBackend):
         # text with tool calls inside, which vLLM's tool parser reads: not one document to validate
         grammar.nc_constraint = None if request_type == StructuredOutputOptions.STRUCTURAL_TAG else constraint
         grammar.nc_engine = compiled.engine
+        grammar.nc_budget, grammar.nc_stops = self.limits.fill_ms / 1e3, self.stop_row
         self.counts[compiled.engine] += 1
         return grammar
 

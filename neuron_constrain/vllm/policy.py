@@ -1,8 +1,10 @@
 """The library's structured-outputs policy, applied to what vLLM hands a grammar backend.
 
+    kind, spec = request_constraint(params.structured_outputs, limits)   # vLLM's kind and text, nesting checked
     constraint = from_vllm("json", '{"type": "object", ...}', whitespace="none")   # a library Constraint
-    engine = admit(constraint)          # "xgrammar" | "llguidance", or ConstraintError naming keyword and pointer
+    engine = admit(constraint, limits)  # "xgrammar" | "llguidance", or ConstraintError naming keyword and pointer
     violation(constraint, text)         # None, or why a finished answer does not satisfy its constraint
+    limits = server_limits()            # the library's Limits with the server's defaults and --limit flags
 
 No vLLM import: the frontend (``validate.py``, before any token) and the engine core's
 grammar backend (``grammar_backend.py``) both call these. ``admit`` is the verdict of the
@@ -11,6 +13,11 @@ it enforces every keyword, llguidance for the rest, refused with both reasons ot
 run on a 257-token byte vocabulary: the verdict never depends on the vocabulary, and the
 compilation takes milliseconds. The engine core compiles the same constraint again with
 the model's vocabulary and reaches the same verdict (same code, same keyword tables).
+Both bound what a request may cost with the server's :class:`Limits` (``server_limits``:
+the library's, ``compile_seconds`` 10 and ``fill_ms`` 10, changed by ``--limit name=N`` on the launcher or
+``NEURON_CONSTRAIN_LIMITS``): the structural limits are checked before anything reads
+the constraint, a schema no value satisfies is refused, and the verdict's xgrammar
+compilation runs in worker processes killed past the time and memory limits.
 
 What the structured package could take over: ``admit`` is "which engine would ``auto``
 choose for this constraint, or why none" without a tokenizer; ``structural_tag`` is here
@@ -24,13 +31,47 @@ import functools
 import json
 import threading
 
+import os
+
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, validate_output
+from neuron_constrain.structured import keywords, limits as limits_
 from neuron_constrain.structured.constraints import Constraint
-from neuron_constrain.structured import keywords
+from neuron_constrain.structured.limits import DESCRIPTIONS, LimitError, Limits
 from neuron_constrain.structured.engines.xgrammar_grammars import lark_to_ebnf, structural_tag_ebnf
 
-# vLLM's StructuredOutputOptions names (vllm/v1/structured_output/backend_types.py), lower case
+# vLLM's StructuredOutputOptions names (vllm/v1/structured_output/backend_types.py), lower case, in the order
+# vLLM's get_structured_output_key reads them
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+LIMITS_ENV = "NEURON_CONSTRAIN_LIMITS"  # "name=value,...": the server's limits (serve.py's --limit writes it)
+# a server answers a request's constraint within seconds, and a model step on a small model takes ~10 ms:
+# a grammar may add at most 10 ms to it (xgrammar's fills of ordinary grammars take well under 1 ms)
+SERVER_LIMITS = Limits(compile_seconds=10.0, fill_ms=10.0)
+VERDICT_PROCESSES = 4  # xgrammar worker processes for the verdicts (the admission's two lanes of two threads)
+
+
+def server_limits() -> Limits:
+    """The server's limits: :data:`SERVER_LIMITS` with what ``NEURON_CONSTRAIN_LIMITS`` sets
+    (``"enum_values=10000,compile_seconds=20"``; ValueError naming a wrong one)."""
+    return Limits.parse(os.environ.get(LIMITS_ENV, ""), SERVER_LIMITS)
+
+
+def request_constraint(so, limits: Limits) -> tuple[str, str]:
+    """``(kind, text)`` of a request's structured outputs (vLLM's ``StructuredOutputsParams``), as
+    vLLM's ``get_structured_output_key`` reads them; a schema or choice list vLLM holds as a dict or
+    list is checked for nesting (iteratively) before it is written as text."""
+    for kind in KINDS:
+        value = getattr(so, kind, None)
+        if kind == "json_object":
+            if value:
+                return kind, ""
+            continue
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            limits_.check_document(value, limits)
+            value = json.dumps(value)
+        return kind, value
+    raise ConstraintError("no structured-output constraint in the request")
 
 
 def from_vllm(kind: str, spec, *, whitespace: str = "none") -> Constraint:
@@ -111,29 +152,39 @@ class _Bytes:
 _LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=1)
-def _verdict_engine():
+@functools.lru_cache(maxsize=4)
+def verdict_engine(limits: Limits):
+    """The engine the verdicts compile on: ``auto`` on a byte vocabulary, xgrammar in worker processes."""
     from neuron_constrain.structured.engines import AutoEngine
 
-    return AutoEngine(_Bytes().tokenizer)
+    return AutoEngine(_Bytes().tokenizer, limits=limits, compile_processes=VERDICT_PROCESSES)
 
 
 _VERDICTS: dict = {}
 
 
-def admit(constraint: Constraint) -> str:
-    """The engine the library's ``auto`` compiles ``constraint`` on ("xgrammar" or "llguidance"), or
-    its ``ConstraintError``: a keyword no engine enforces (``error.unenforced``: keyword, JSON pointer)
-    or a constraint neither engine reads. Cached per constraint (512 verdicts)."""
-    key = constraint.key
+def cached_verdict(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str | None:
+    """The verdict :func:`admit` gave ``constraint`` already (raising its error), or ``None``; the
+    structural limits are checked first."""
+    limits_.check(constraint, limits)
     with _LOCK:
-        hit = _VERDICTS.get(key)
+        hit = _VERDICTS.get((constraint.key, limits))
+    if isinstance(hit, ConstraintError):
+        raise hit
+    return hit
+
+
+def admit(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str:
+    """The engine the library's ``auto`` compiles ``constraint`` on ("xgrammar" or "llguidance"), or
+    its ``ConstraintError``: a limit passed (``LimitError``, checked before anything else reads the
+    constraint), a schema no value satisfies, a keyword no engine enforces (``error.unenforced``:
+    keyword, JSON pointer) or a constraint neither engine reads. Cached per constraint (512 verdicts)."""
+    hit = cached_verdict(constraint, limits)
     if hit is not None:
-        if isinstance(hit, ConstraintError):
-            raise hit
         return hit
+    key = (constraint.key, limits)
     try:
-        result = _verdict_engine().compile(constraint).engine
+        result = verdict_engine(limits).compile(constraint).engine
     except ConstraintError as error:
         result = error
     with _LOCK:
@@ -146,13 +197,27 @@ def admit(constraint: Constraint) -> str:
 
 
 def refusal_message(error: ConstraintError) -> str:
-    """The 400's text: the keyword and its JSON pointer first when the policy refused one."""
+    """The 400's text: the limit and the flag that raises it, or the keyword and its JSON pointer
+    first when the policy refused one."""
+    if isinstance(error, LimitError):
+        at = f" at {error.where}" if error.where else ""
+        return (f"neuron_constrain: the request's constraint is over the server's limit {error.limit}="
+                f"{error.maximum:g} ({DESCRIPTIONS[error.limit]}{at}: {error.value}); send a smaller constraint, "
+                f"or start the server with `--limit {error.limit}=N` (python -m neuron_constrain.vllm.serve; or "
+                f"{LIMITS_ENV}={error.limit}=N) to raise it")
     item = getattr(error, "unenforced", None)
     detail = " ".join(str(error).split())
     if item is not None:
         return (f"neuron_constrain: the schema's `{item.keyword}` at {item.path} is not enforced by any grammar "
                 f"engine here (xgrammar, llguidance); remove or rewrite it. Details: {detail}")
     return f"neuron_constrain: this structured-output constraint cannot be compiled: {detail}"
+
+
+def over_budget_message(seconds: float, budget: float) -> str:
+    """Why a request whose grammar's fill took ``seconds`` for one token (over ``budget``) was stopped."""
+    return (f"its grammar's mask fill took {seconds * 1e3:.0f} ms for one token, over the server's per-token "
+            f"budget fill_ms={budget * 1e3:g} (an ambiguous grammar's work grows with its text); simplify the "
+            f"grammar, or start the server with `--limit fill_ms=N` ({LIMITS_ENV}=fill_ms=N) to raise it")
 
 
 # --------------------------------------------------------------------------- after generation

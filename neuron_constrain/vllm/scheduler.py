@@ -21,6 +21,12 @@ engine-core process, where vLLM's grammars live:
   ``vllm:request_success_total{finished_reason="error"}`` — never as a valid-looking answer.
   Structural tags (``tool_choice="auto"``: free text with tool calls inside) are not checked
   here; their calls are parsed by vLLM's tool parser.
+* **Bounded work per request.** Grammars compile on two lanes by size (``structured/lanes.py``,
+  in place of vLLM's one grammar thread pool), so a flood of large constraints never queues
+  in front of small ones; a request whose grammar passed its per-token fill budget
+  (``backend.py``) ends there, alone: with its stop token where its grammar may end
+  (``budget_ended`` in the engine counters), else with the ``error`` finish reason after that
+  step (``over_budget``).
 """
 from __future__ import annotations
 
@@ -37,11 +43,24 @@ check_vllm_version()
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from neuron_constrain.structured.lanes import Lanes  # noqa: E402
 from neuron_constrain.vllm.grammar_backend import LibraryBackend  # noqa: E402
 
 log = logging.getLogger("vllm.neuron_constrain")
 
 ENGINE_METRICS_SUFFIX = ".engine"  # the scheduler's counters: <METRICS path>.engine
+
+
+class _GrammarLanes(Lanes):
+    """vLLM's grammar executor (``manager.executor.submit(create_grammar, request)``) on two lanes,
+    by the size of the request's constraint."""
+
+    def __init__(self):
+        super().__init__(2, name="neuron-constrain-grammar")
+
+    def submit(self, fn, request, /):  # noqa: D102 - vLLM's call
+        _, spec = request.structured_output_request.structured_output_key
+        return super().submit(len(spec or ""), fn, request)
 
 
 class NeuronConstrainScheduler(Scheduler):
@@ -58,6 +77,8 @@ class NeuronConstrainScheduler(Scheduler):
             self.library_backend = LibraryBackend(vllm_config, tokenizer=manager.tokenizer,
                                                   vocab_size=vllm_config.model_config.get_vocab_size())
             manager.backend = self.library_backend
+            manager.executor.shutdown(wait=False)
+            manager.executor = _GrammarLanes()
         self.output_counters = {"validated_outputs": 0, "invalid_outputs": 0, "unchecked_outputs": 0}
         self.violations: list[dict] = []
         self._counters_lock = threading.Lock()
@@ -74,6 +95,17 @@ class NeuronConstrainScheduler(Scheduler):
 
     def _update_request_with_output(self, request, new_token_ids, is_stale: bool = False):
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, is_stale)
+        structured = request.structured_output_request
+        failure = getattr(structured.grammar, "nc_failure", None) if structured is not None else None
+        if failure is not None and not stopped:  # past its per-token budget: this step was the last it slows
+            log.error("neuron_constrain: request %s stopped: %s", request.request_id, failure)
+            with self._counters_lock:
+                self.library_backend.counts["over_budget"] += 1
+            request.status = RequestStatus.FINISHED_ERROR
+            stopped = True
+        if stopped and structured is not None and getattr(structured.grammar, "nc_budget_ended", False):
+            with self._counters_lock:
+                self.library_backend.counts["budget_ended"] += 1
         if stopped and request.structured_output_request:
             if request.status == RequestStatus.FINISHED_STOPPED:
                 self._check_finished(request)

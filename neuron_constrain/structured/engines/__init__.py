@@ -37,13 +37,17 @@ def allowlists():
     return {name: _CLASSES[name].enforces for name in ENGINES}  # the same lists keywords.allowlists() holds
 
 
-def make_engine(name: str, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0) -> GrammarEngine:
+def make_engine(name: str, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0, limits=None,
+                compile_processes: int = 0) -> GrammarEngine:
     """The engine called ``name`` (one of :data:`ENGINE_CHOICES`) for ``tokenizer``'s vocabulary;
-    ``fill_timeout``: the longest wait for one of its ``fill_threads`` (when there are several)."""
+    ``fill_timeout``: the longest wait for one of its ``fill_threads`` (when there are several).
+    ``limits``: what one constraint may hold and cost (``limits.Limits``); ``compile_processes``:
+    xgrammar compiles in that many worker processes, killed past the limits (0: in the caller)."""
     engine = _CLASSES.get(name)
     if engine is None:
         raise ValueError(f"unknown grammar engine {name!r}; pick one of {', '.join(ENGINE_CHOICES)}")
-    return engine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+    extra = {} if name == "llguidance" else {"compile_processes": compile_processes}
+    return engine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits, **extra)
 
 
 __all__ = ["AutoEngine", "CompiledGrammar", "ENGINES", "ENGINE_CHOICES", "FillTimeout", "GrammarEngine", "GrammarMatcher",

@@ -31,6 +31,8 @@ import torch
 from neuron_constrain.structured import keywords
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine
+from neuron_constrain.structured.limits import LimitError
+from neuron_constrain.structured.satisfiable import UnsatisfiableError
 from neuron_constrain.structured.engines.llguidance_engine import LLGuidanceEngine, LLGuidanceMatcher
 from neuron_constrain.structured.engines.xgrammar_engine import XGrammarEngine
 
@@ -40,9 +42,11 @@ class AutoEngine(GrammarEngine):
 
     name = "auto"
 
-    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
-        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
-        self.xgrammar = XGrammarEngine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0, limits=None,
+                 compile_processes: int = 0):
+        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits)
+        self.xgrammar = XGrammarEngine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout,
+                                       limits=self.limits, compile_processes=compile_processes)
         self._llguidance: LLGuidanceEngine | None = None  # built on first need (~0.3 s at 131k)
         self._lock = threading.Lock()  # compilations run on the runtime's thread pool
 
@@ -51,7 +55,7 @@ class AutoEngine(GrammarEngine):
         with self._lock:
             if self._llguidance is None:
                 self._llguidance = LLGuidanceEngine(self.tokenizer, fill_threads=self.fill_threads,
-                                                   fill_timeout=self.fill_timeout)
+                                                   fill_timeout=self.fill_timeout, limits=self.limits)
             return self._llguidance
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
@@ -63,6 +67,8 @@ class AutoEngine(GrammarEngine):
                 pass
         try:
             return self.xgrammar.compile(strict)
+        except (LimitError, UnsatisfiableError):
+            raise  # the constraint's own: no engine would take it
         except ConstraintError as refused:
             xgrammar_said = str(refused)
         try:
@@ -74,6 +80,9 @@ class AutoEngine(GrammarEngine):
                                        f"| xgrammar: {xgrammar_said}")
             combined.unenforced = getattr(error, "unenforced", None)  # a refusal (keywords.py), not a syntax error
             raise combined from error
+
+    def wait_ready(self) -> None:
+        self.xgrammar.wait_ready()
 
     def matcher(self, compiled: CompiledGrammar):
         return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)

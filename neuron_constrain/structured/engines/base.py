@@ -41,7 +41,7 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.structured import keywords
+from neuron_constrain.structured import keywords, limits as limits_, satisfiable
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 
@@ -96,7 +96,9 @@ class GrammarEngine(abc.ABC):
 
     name: ClassVar[str] = ""
 
-    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0,
+                 limits: limits_.Limits | None = None):
+        self.limits = limits or limits_.DEFAULT  # checked first by every compile (limits.py)
         info = tokenizer.info
         self.tokenizer = tokenizer
         self.info = info
@@ -120,15 +122,25 @@ class GrammarEngine(abc.ABC):
     def keyword_policy(self, constraint: Constraint) -> tuple[Constraint, tuple[keywords.Unenforced, ...], tuple[str, ...]]:
         """The never-silent policy: the constraint this engine compiles (a JSON schema rewritten by
         :func:`keywords.prepare`), after raising for a keyword it would not enforce there or
-        (``unenforced="allow"``) listing them; and the nodes the engine's narrowing typed."""
+        (``unenforced="allow"``) listing them; and the nodes the engine's narrowing typed. First, before
+        anything else reads the constraint, its :class:`~neuron_constrain.structured.limits.Limits`
+        (``LimitError``), then whether a JSON schema admits any value (``satisfiable.UnsatisfiableError``)."""
+        limits_.check(constraint, self.limits)
         if constraint.kind != "json_schema":
             return constraint, (), ()
+        satisfiable.check(constraint.spec, self.limits.answer_chars)
         narrowed: list[str] = []
-        schema = keywords.prepare(constraint.spec, self.enforces, narrowed)
+        try:
+            schema = keywords.prepare(constraint.spec, self.enforces, narrowed)
+        except RecursionError:  # the depth limit keeps every walker within Python's stack; this is the backstop
+            raise limits_.LimitError("depth", "too deep for Python's stack", self.limits.depth) from None
         if schema is False:
             raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
         unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
         return dataclasses.replace(constraint, spec=schema), unenforced, tuple(narrowed)
+
+    def wait_ready(self) -> None:
+        """Until the engine can start a compilation (its compile workers started); at once by default."""
 
     def parse(self, constraint: Constraint) -> None:
         """Raise :class:`ConstraintError` now, before any compilation, if ``constraint`` is

@@ -62,8 +62,8 @@ class LLGuidanceEngine(GrammarEngine):
 
     name = "llguidance"
 
-    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
-        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0, limits=None):
+        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits)
         self._llg = import_llguidance()
         self.lltokenizer = llguidance_tokenizer(tokenizer)
         self._executor = None

@@ -22,6 +22,7 @@ from neuron_constrain.structured import keywords as K
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, encode_continuation, fill_each
 from neuron_constrain.structured.engines.fill_threads import RowFillers
 from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, parse_constraint, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar_worker import shared_workers
 
 _ACCEPT = xgr.GrammarMatcher.accept_token
 
@@ -189,9 +190,15 @@ class XGrammarEngine(GrammarEngine):
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0):
-        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout)
+    def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0, limits=None,
+                 compile_processes: int = 0):
+        super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits)
         self.compiler = xgr.GrammarCompiler(xgrammar_info(self.info), max_threads=1)
+        # compile_processes > 0: each compilation in a worker process, killed past limits.compile_seconds
+        # and capped at limits.compile_memory_mb (xgrammar_worker.py, shared by the engines of one
+        # vocabulary); 0: on the calling thread, unbounded
+        self.workers = shared_workers(xgrammar_info(self.info), processes=compile_processes,
+                                      memory_mb=self.limits.compile_memory_mb) if compile_processes else None
         self.fillers = RowFillers(fill_threads, fill_timeout) if fill_threads > 1 else None
         # One thread: one call for all rows, so the GIL is released once, not once per row, while a
         # pipelined step traces the body on another thread (as fast as per-row calls when alone).
@@ -205,9 +212,17 @@ class XGrammarEngine(GrammarEngine):
 
     enforces = ENFORCES
 
+    def wait_ready(self) -> None:
+        if self.workers is not None:
+            self.workers.wait_ready()
+
     def compile(self, constraint) -> CompiledGrammar:
         prepared, unenforced, narrowed = self.keyword_policy(constraint)
-        return CompiledGrammar(self.name, constraint, compile_grammar(self.compiler, prepared), unenforced, narrowed)
+        if self.workers is not None:
+            grammar = self.workers.compile(prepared, self.limits.compile_seconds)
+        else:
+            grammar = compile_grammar(self.compiler, prepared)
+        return CompiledGrammar(self.name, constraint, grammar, unenforced, narrowed)
 
     def parse(self, constraint) -> None:
         parse_constraint(constraint)

@@ -1,0 +1,136 @@
+"""The policy's verdict on a request's constraint, reached off the API server's event loop.
+
+    install()                          # once per API server process (validate.py does it on import)
+    await admission().check(params)    # VLLMValidationError (a 400) naming the limit or the keyword
+
+vLLM runs a logits processor's ``validate_params`` hook synchronously on the event loop, so
+a verdict that compiles there stops every other request while it runs (one 30,000-value
+``enum`` held a server for over 90 s). ``install`` wraps ``AsyncLLM.add_request`` — the one
+coroutine every OpenAI request passes through before vLLM's own synchronous checks — so
+that it first awaits the verdict on the admission's threads: the cheap checks (the server's
+:class:`~neuron_constrain.structured.limits.Limits`, whether a schema admits any value, a
+verdict cached already) on the small lane, then the compilation on the lane its size picks
+(``structured/lanes.py``: a flood of large constraints queues behind its own kind), in
+xgrammar worker processes killed past ``compile_seconds`` and ``compile_memory_mb``. The
+loop only awaits. By the time ``validate_params`` runs (``validate.check_structured``), the
+verdict is cached: it looks it up. A refusal is a ``VLLMValidationError``: vLLM answers that
+request alone with a 400 naming the limit and the ``--limit`` flag that raises it.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import multiprocessing
+import threading
+
+from neuron_constrain.structured import ConstraintError
+from neuron_constrain.structured.lanes import Lanes
+from neuron_constrain.vllm import check_vllm_version, policy
+
+check_vllm_version()
+
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+
+LANE_THREADS = 2  # threads per lane (small, large); policy.VERDICT_PROCESSES worker processes compile
+
+
+def refusal(kind: str, error: ConstraintError) -> VLLMValidationError:
+    """The 400 for a refused constraint: the policy's message, the parameter, what was refused."""
+    item = getattr(error, "unenforced", None)
+    limit = getattr(error, "limit", None)
+    value = f"{item.keyword} at {item.path}" if item is not None else f"limit {limit}" if limit else None
+    return VLLMValidationError(policy.refusal_message(error), parameter=f"structured_outputs.{kind}", value=value)
+
+
+def verdict(structured_outputs, limits) -> None:
+    """The whole verdict on the calling thread (``validate_params``; the offline ``LLM``)."""
+    kind = "json"
+    try:
+        kind, spec = policy.request_constraint(structured_outputs, limits)
+        policy.admit(_constraint(kind, spec, limits), limits)
+    except ConstraintError as error:
+        raise refusal(kind, error) from None
+
+
+def _constraint(kind: str, spec: str, limits):
+    from neuron_constrain.structured import limits as limits_
+
+    limits_.check_text(kind, spec, limits)  # before the text is parsed: its size and nesting
+    return policy.from_vllm(kind, spec)
+
+
+class Admission:
+    """The verdicts of one API server process, on two lanes of threads."""
+
+    def __init__(self):
+        self.limits = policy.server_limits()
+        self.lanes = Lanes(LANE_THREADS, name="neuron-constrain-admission")
+
+    def warm(self) -> None:
+        """Build the verdict engine now: its compile workers' fork server starts in the background
+        (seconds of imports), not in the first constrained request's path."""
+        policy.verdict_engine(self.limits)
+
+    async def check(self, params: SamplingParams) -> None:
+        so = params.structured_outputs
+        if so is None or so.all_constraints_none():
+            return
+        loop = asyncio.get_running_loop()
+        checked = await asyncio.wrap_future(self.lanes.submit(0, self._cheap, so), loop=loop)
+        if checked is not None:
+            kind, constraint, size = checked
+            await asyncio.wrap_future(self.lanes.submit(size, self._compiled, kind, constraint), loop=loop)
+
+    def _cheap(self, so):
+        """The checks that cost a pass over the constraint; None when its verdict is known (admitted),
+        else what the compilation needs."""
+        kind = "json"
+        try:
+            kind, spec = policy.request_constraint(so, self.limits)
+            constraint = _constraint(kind, spec, self.limits)
+            if policy.cached_verdict(constraint, self.limits) is not None:
+                return None
+        except ConstraintError as error:
+            raise refusal(kind, error) from None
+        return kind, constraint, len(spec)
+
+    def _compiled(self, kind: str, constraint) -> None:
+        try:
+            policy.admit(constraint, self.limits)
+        except ConstraintError as error:
+            raise refusal(kind, error) from None
+
+
+_ADMISSION: Admission | None = None
+_INSTALL = threading.Lock()
+
+
+def admission() -> Admission:
+    global _ADMISSION
+    with _INSTALL:
+        if _ADMISSION is None:
+            _ADMISSION = Admission()
+        return _ADMISSION
+
+
+def install() -> None:
+    """Wrap ``AsyncLLM.add_request`` so that a request's constraint is judged, off the event loop,
+    before vLLM reads it (idempotent)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with _INSTALL:
+        original = AsyncLLM.add_request
+        if getattr(original, "neuron_constrain_admission", False):
+            return
+
+        @functools.wraps(original)
+        async def add_request(self, request_id, prompt, params, *args, **kwargs):
+            if isinstance(params, SamplingParams):
+                await admission().check(params)
+            return await original(self, request_id, prompt, params, *args, **kwargs)
+
+        add_request.neuron_constrain_admission = True
+        AsyncLLM.add_request = add_request
+    if multiprocessing.parent_process() is None:  # the API server (vLLM's engine core and workers are its children)
+        admission().warm()
