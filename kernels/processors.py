@@ -19,6 +19,7 @@ __all__ = [
     "apply_logit_bias",
     "apply_min_tokens_and_logit_bias",
     "apply_penalties",
+    "apply_thinking_budget",
     "apply_temperature",
     "apply_min_p",
     "no_token_rows",
@@ -106,6 +107,22 @@ def apply_penalties(
     penalised = penalised - (counts > 0).to(logits.dtype) * presence.to(logits.dtype).unsqueeze(-1)
     change = torch.where(valid & seen.isfinite(), penalised - seen, 0.0)
     return logits.scatter_add(-1, index, change)
+
+
+def apply_thinking_budget(logits: torch.Tensor, left: torch.Tensor, end_id: torch.Tensor) -> torch.Tensor:
+    """In a row whose thought has spent its budget, allow only the end-of-thought token.
+
+    ``left`` int ``[...]``: thought tokens the row may still write; ``end_id`` int64
+    ``[...]``: the end-of-thought token it writes once ``left <= 0`` (``-1``: the row is
+    not in a thought). A forced row becomes ``-inf`` everywhere but ``end_id``, which gets
+    logit 0 whatever it had (the budget overrides the mask and the other processors, as
+    vLLM's forcing does); other rows are unchanged. Not argmax-invariant: greedy paths
+    run it too. One ``where`` over the logits.
+    """
+    width = logits.shape[-1]
+    free = ~((left <= 0) & _valid(end_id, width)).unsqueeze(-1)
+    only_end = torch.where(torch.arange(width, device=logits.device) == end_id.unsqueeze(-1), 0.0, NEG_INF)
+    return torch.where(free, logits, only_end.to(logits.dtype))
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
