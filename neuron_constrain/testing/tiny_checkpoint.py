@@ -4,6 +4,14 @@ the real Mistral 7B v0.1 sentencepiece tokenizer (shipped in ``mistral_common``)
 ``save_pretrained`` — nothing is downloaded.
 
     python -m neuron_constrain.testing.tiny_checkpoint build/tiny-llama   # prints the directory
+    python -m neuron_constrain.testing.tiny_checkpoint build/tiny-think --reasoning
+
+``reasoning=True`` makes a reasoning model's checkpoint: ``<think>`` and ``</think>`` added as
+single tokens (ids 32002, 32003; what vLLM's ``deepseek_r1`` reasoning parser reads), kept in
+the decoded text as DeepSeek-R1's and Qwen3's tokenizers keep theirs (added, not skipped as
+special: the parser splits the text at ``</think>``), and a chat template whose assistant
+turn opens the thought (``...assistant\n<think>``), as DeepSeek-R1's does: the model writes
+its thought, ``</think>``, then its answer.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ CONFIG = dict(
     eos_token_id=2,
 )
 STAMP = "neuron_constrain_tiny_model.json"
+THINK_TOKENS = ["<think>", "</think>"]  # the reasoning checkpoint's thought markers
 
 
 def tokenizer_file() -> str:
@@ -52,10 +61,16 @@ def tokenizer_file() -> str:
     return str(path)
 
 
-def build(directory: str | os.PathLike, *, seed: int = 0) -> str:
-    """Write the model and tokenizer into ``directory`` unless already there; return it."""
+def build(directory: str | os.PathLike, *, seed: int = 0, reasoning: bool = False) -> str:
+    """Write the model and tokenizer into ``directory`` unless already there; return it.
+    ``reasoning``: the thought markers and a chat template that opens the thought (above)."""
     out = pathlib.Path(directory)
+    config = dict(CONFIG, vocab_size=CONFIG["vocab_size"] + len(THINK_TOKENS)) if reasoning else CONFIG
     if (out / STAMP).exists():
+        stamp = json.loads((out / STAMP).read_text())
+        if stamp.get("vocab_size") != config["vocab_size"]:
+            raise RuntimeError(f"{out} holds a tiny checkpoint of {stamp.get('vocab_size')} tokens, not the "
+                               f"{config['vocab_size']} asked for (reasoning={reasoning}); use another folder")
         return str(out)
     import torch
     from transformers import LlamaTokenizer
@@ -71,19 +86,25 @@ def build(directory: str | os.PathLike, *, seed: int = 0) -> str:
     tokenizer = LlamaTokenizer.from_pretrained(str(staging))
     # Hermes-style tool-call delimiters as single special tokens (vLLM's hermes parser reads them)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    if len(tokenizer) != CONFIG["vocab_size"]:
-        raise RuntimeError(f"the Mistral tokenizer loaded with {len(tokenizer)} tokens, expected {CONFIG['vocab_size']}")
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if reasoning:
+        from transformers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    if len(tokenizer) != config["vocab_size"]:
+        raise RuntimeError(f"the Mistral tokenizer loaded with {len(tokenizer)} tokens, expected {config['vocab_size']}")
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>{% endif %}") \
+        if reasoning else CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
     shutil.rmtree(staging)
 
-    model = tiny_decoder("llama", seed=seed, **CONFIG)
+    model = tiny_decoder("llama", seed=seed, **config)
     with torch.no_grad():  # larger logits than the default init: fewer near-ties, more varied greedy text
         model.lm_head.weight.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
-    (out / STAMP).write_text(json.dumps({"seed": seed, **CONFIG}))
+    (out / STAMP).write_text(json.dumps({"seed": seed, **config}))
     return str(out)
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "build/tiny-llama"))
+    args = [a for a in sys.argv[1:] if a != "--reasoning"]
+    print(build(args[0] if args else "build/tiny-llama", reasoning="--reasoning" in sys.argv[1:]))
