@@ -97,8 +97,8 @@ def test_without_a_budget_the_thought_runs_unconstrained(servers):
 
 def test_a_thought_ended_early_is_constrained_from_there(servers):
     """A bias on ``</think>`` ends the thought before the budget; the answer from there is valid."""
-    requests = [_chat(8, max_tokens=40, logit_bias={str(END): bias}, **kwargs)
-                for bias in (18.0, 100.0) for _, _, _, kwargs in CONSTRAINED[:1]]
+    palette = CONSTRAINED[0][3]
+    requests = [_chat(8, logit_bias={str(END): bias}, **palette) for bias in (18.0, 100.0)]
     got = _both(servers, requests)
     lengths = [len(_thought(choice)) for choice in got]
     assert 0 < lengths[0] < 8 and lengths[1] == 0, lengths  # ended early by the model, and at once
