@@ -61,6 +61,39 @@ def tokenizer_file() -> str:
     return str(path)
 
 
+def add_think_tokens(tokenizer) -> list[int]:
+    """Add ``<think>`` and ``</think>`` to a Hugging Face tokenizer as single tokens kept in the
+    decoded text (added, not special: as DeepSeek-R1's and Qwen3's); returns their ids."""
+    from transformers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    return tokenizer.convert_tokens_to_ids(THINK_TOKENS)
+
+
+def tokenizer(*, reasoning: bool = False):
+    """The checkpoint's Hugging Face tokenizer (Mistral 7B v0.1's sentencepiece, ``<tool_call>`` /
+    ``</tool_call>``, with ``reasoning`` the thought markers and the template opening the thought)."""
+    import tempfile
+
+    from transformers import LlamaTokenizer
+
+    with tempfile.TemporaryDirectory() as staging:
+        # LlamaTokenizer(vocab_file=...) yields a 3-token vocabulary on transformers 5;
+        # from_pretrained on a folder holding tokenizer.model converts the real one.
+        shutil.copy(tokenizer_file(), pathlib.Path(staging) / "tokenizer.model")
+        hf = LlamaTokenizer.from_pretrained(staging)
+    # Hermes-style tool-call delimiters as single special tokens (vLLM's hermes parser reads them)
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    if reasoning:
+        add_think_tokens(hf)
+    size = CONFIG["vocab_size"] + (len(THINK_TOKENS) if reasoning else 0)
+    if len(hf) != size:
+        raise RuntimeError(f"the Mistral tokenizer loaded with {len(hf)} tokens, expected {size}")
+    hf.chat_template = CHAT_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>{% endif %}") \
+        if reasoning else CHAT_TEMPLATE
+    return hf
+
+
 def build(directory: str | os.PathLike, *, seed: int = 0, reasoning: bool = False) -> str:
     """Write the model and tokenizer into ``directory`` unless already there; return it.
     ``reasoning``: the thought markers and a chat template that opens the thought (above)."""
@@ -73,30 +106,11 @@ def build(directory: str | os.PathLike, *, seed: int = 0, reasoning: bool = Fals
                                f"{config['vocab_size']} asked for (reasoning={reasoning}); use another folder")
         return str(out)
     import torch
-    from transformers import LlamaTokenizer
 
     from neuron_constrain.testing.decoders import tiny_decoder
 
     out.mkdir(parents=True, exist_ok=True)
-    staging = out / "_tokenizer_src"
-    staging.mkdir(exist_ok=True)
-    # LlamaTokenizer(vocab_file=...) yields a 3-token vocabulary on transformers 5;
-    # from_pretrained on a folder holding tokenizer.model converts the real one.
-    shutil.copy(tokenizer_file(), staging / "tokenizer.model")
-    tokenizer = LlamaTokenizer.from_pretrained(str(staging))
-    # Hermes-style tool-call delimiters as single special tokens (vLLM's hermes parser reads them)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    if reasoning:
-        from transformers import AddedToken
-
-        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    if len(tokenizer) != config["vocab_size"]:
-        raise RuntimeError(f"the Mistral tokenizer loaded with {len(tokenizer)} tokens, expected {config['vocab_size']}")
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>{% endif %}") \
-        if reasoning else CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    shutil.rmtree(staging)
-
+    tokenizer(reasoning=reasoning).save_pretrained(str(out))
     model = tiny_decoder("llama", seed=seed, **config)
     with torch.no_grad():  # larger logits than the default init: fewer near-ties, more varied greedy text
         model.lm_head.weight.normal_(0.0, 0.5)
