@@ -43,10 +43,9 @@ class Server:
         from neuron_constrain.testing.tiny_checkpoint import build
 
         self.port = free_port()
-        if model == "tiny":
-            spec = dict(model=build(ROOT / "build" / "tiny-llama"), name="tiny")
-        elif model == "tiny-think":
-            spec = dict(model=build(ROOT / "build" / "tiny-think", reasoning=True), name="tiny")
+        if model in ("tiny", "tiny-think"):
+            folder = "tiny-think" if model == "tiny-think" else "tiny-llama"
+            spec = dict(model=build(ROOT / "build" / folder, reasoning=model == "tiny-think"), name="tiny")
         else:
             spec = resolve(model)
         self.model = spec["model"]
