@@ -117,12 +117,13 @@ def apply_thinking_budget(logits: torch.Tensor, left: torch.Tensor, end_id: torc
     not in a thought). A forced row becomes ``-inf`` everywhere but ``end_id``, which gets
     logit 0 whatever it had (the budget overrides the mask and the other processors, as
     vLLM's forcing does); other rows are unchanged. Not argmax-invariant: greedy paths
-    run it too. One ``where`` over the logits.
+    run it too. Two passes over the logits (a row-broadcast fill, a scatter of one column),
+    nothing of the logits' size built besides.
     """
-    width = logits.shape[-1]
-    free = ~((left <= 0) & _valid(end_id, width)).unsqueeze(-1)
-    only_end = torch.where(torch.arange(width, device=logits.device) == end_id.unsqueeze(-1), 0.0, NEG_INF)
-    return torch.where(free, logits, only_end.to(logits.dtype))
+    forced = (left <= 0) & _valid(end_id, logits.shape[-1])
+    column = torch.where(forced, end_id, 0).unsqueeze(-1)  # a free row rewrites its column 0 with itself
+    value = torch.where(forced.unsqueeze(-1), 0.0, logits.gather(-1, column)).to(logits.dtype)
+    return logits.masked_fill(forced.unsqueeze(-1), NEG_INF).scatter(-1, column, value)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

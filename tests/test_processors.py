@@ -351,8 +351,10 @@ def test_pruning_contract_greedy_has_no_min_p_or_temperature():
     # (the one amax is the empty-row check after min_tokens)
     assert added[aten.log.default] == 0 and added[aten.amax.default] == 1
     assert not inserted(processed.program, "min_p") and not inserted(processed.program, "temperature")
-    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other
-    assert added[aten.scatter_add.default] == 2 and added[aten.gather.default] == 1
+    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other;
+    # thinking_budget a row fill and a one-column scatter (a gather each, penalties' and its own)
+    assert added[aten.scatter_add.default] == 2 and added[aten.gather.default] == 2
+    assert added[aten.scatter.src] == 1
     names = {i.name for i in processed.report.inputs_added}
     assert "min_p" not in names and "temperature" not in names
     [site] = processed.report["process_logits"].sites
