@@ -239,7 +239,7 @@ DOCS = {
     "penalty_frequency": "frequency penalty (0 = off)",
     "penalty_presence": "presence penalty (0 = off)",
     "thinking_budget_left": "thought tokens the row may still write before its end-of-thought token is forced",
-    "thinking_end_id": "the end-of-thought token forced once thinking_budget_left <= 0 (-1: not in a thought)",
+    "thinking_end_id": "the end-of-thought token forced (+1e9) once thinking_budget_left <= 0 (-1: not in a thought)",
     "temperature": "per-row temperature before min_p (> 0; 1 = off)",
     "min_p": "min_p threshold in [0, 1] (0 = off)",
 }

@@ -7,7 +7,7 @@ Before (after the mask-logits pass)             After (processors = all four)
     order = sort(t)                                s = gather(x, seen_ids)                                # penalties:
                                                    s2 = where(s > 0, s / rep, s * rep) - f * n - p * (n > 0)
                                                    x = scatter_add(x, seen_ids, s2 - s)
-                                                   x = where(left <= 0 & end >= 0, only end: 0, x)  # thinking_budget
+                                                   x = scatter_add(x, end, 1e9 if left <= 0)  # thinking_budget
                                                    empty = logit_mask_empty | isneginf(amax(x[:, :V]))
                                                    tok = argmax(x, -1)           # greedy: nothing more
                                                    t = div(x, 0.8)
@@ -47,7 +47,7 @@ Inputs (``R`` = the logits' leading dims, symbolic when they are; neutral fill =
     penalty_token_counts   int32[R, L]   times each was generated (0: prompt only); 0
     penalty_repetition / penalty_frequency / penalty_presence  float32[R]; 1 / 0 / 0
     thinking_budget_left   int32[R]      thought tokens the row may still write; 0
-    thinking_end_id        int64[R]      end-of-thought token forced once left <= 0; -1 (not in a thought)
+    thinking_end_id        int64[R]      end-of-thought token forced (+1e9) once left <= 0; -1 (not in a thought)
     temperature            float32[R]    sampling paths without their own; 1
     min_p                  float32[R]    sampling paths; 0
     <name>_<key>           custom processors' inputs (``LogitsProcessor.inputs``)

@@ -59,10 +59,10 @@ def reference_row(logits, allowed, params: RequestParams, prompt, outputs, *, eo
             p = params.repetition_penalty
             x[token] = x[token] / p if x[token] > 0 else x[token] * p
         x[token] -= params.frequency_penalty * counts[token] + params.presence_penalty * (counts[token] > 0)
-    if params.thinking_token_budget is not None:  # a spent budget allows only the end marker's next token
+    if params.thinking_token_budget is not None:  # a spent budget: the end marker's next token gains 1e9
         left, end_id = reference_thought(list(prompt), list(outputs), params.thinking_token_budget, THINK, END)
         if end_id >= 0 and left <= 0:
-            x = [0.0 if i == end_id else NEG_INF for i in range(len(x))]
+            x[end_id] += 1e9
     return x
 
 
@@ -230,8 +230,8 @@ def test_property_graph_matches_reference_over_batch_updates(kind, masked, data)
 
 @given(rows=st.integers(1, 4), width=st.integers(1, 9), data=st.data())
 def test_property_thinking_budget_kernel_matches_the_rule(rows, width, data):
-    """A row with ``left <= 0`` and an end id in ``[0, W)`` becomes -inf but the end id (logit 0,
-    even where the mask had -inf); any other row is unchanged, bit for bit."""
+    """A row with ``left <= 0`` and an end id in ``[0, W)``: the end id's logit gains 1e9 (its argmax,
+    every other token's probability 0; a masked -inf stays -inf); any other row is unchanged, bit for bit."""
     logits = torch.tensor(data.draw(st.lists(st.lists(st.one_of(st.floats(-5, 5, width=32), st.just(NEG_INF)),
                                                        min_size=width, max_size=width), min_size=rows, max_size=rows)))
     left = torch.tensor(data.draw(st.lists(st.integers(-2, 2), min_size=rows, max_size=rows)), dtype=torch.int32)
@@ -239,7 +239,11 @@ def test_property_thinking_budget_kernel_matches_the_rule(rows, width, data):
     got = apply_thinking_budget(logits, left, end)
     for r in range(rows):
         if left[r] <= 0 and 0 <= end[r] < width:
-            assert got[r].tolist() == [0.0 if i == end[r] else NEG_INF for i in range(width)]
+            e = int(end[r])
+            assert got[r, e] == logits[r, e] + 1e9 and torch.equal(got[r, :e], logits[r, :e])
+            assert torch.equal(got[r, e + 1:], logits[r, e + 1:])
+            if logits[r, e].isfinite():
+                assert int(got[r].argmax()) == e and got[r].softmax(-1)[e] == 1.0
         else:
             assert torch.equal(got[r], logits[r])
 
@@ -351,10 +355,9 @@ def test_pruning_contract_greedy_has_no_min_p_or_temperature():
     # (the one amax is the empty-row check after min_tokens)
     assert added[aten.log.default] == 0 and added[aten.amax.default] == 1
     assert not inserted(processed.program, "min_p") and not inserted(processed.program, "temperature")
-    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other;
-    # thinking_budget a row fill and a one-column scatter (a gather each, penalties' and its own)
-    assert added[aten.scatter_add.default] == 2 and added[aten.gather.default] == 2
-    assert added[aten.scatter.src] == 1
+    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other,
+    # thinking_budget a third (one column a row)
+    assert added[aten.scatter_add.default] == 3 and added[aten.gather.default] == 1
     names = {i.name for i in processed.report.inputs_added}
     assert "min_p" not in names and "temperature" not in names
     [site] = processed.report["process_logits"].sites

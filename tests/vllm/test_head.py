@@ -149,12 +149,14 @@ def test_wide_program_samples_past_the_narrow_candidates(head):
 
 
 def test_thinking_budget_forces_the_end_token_on_every_path(head):
-    """Rows whose budget is spent emit the end token, greedy or sampled, whatever the mask allowed."""
+    """Rows whose budget is spent emit the end token, greedy or sampled; where the grammar masked it
+    (the last row), the grammar wins."""
     programs, _ = head
     inputs = programs.inputs[B]
     torch.manual_seed(6)
     allowed = torch.rand(B, V) < 0.5
-    allowed[:, 17] = False  # the end token, masked by the grammar: the budget still forces it
+    allowed[:, 17] = True
+    allowed[7, 17] = False
     left = torch.tensor([0, 1, -3, 0, 0, 2, 0, 0], dtype=torch.int32)
     end = torch.tensor([17, 17, 17, -1, 17, 17, 17, 17])
     inputs.processors["thinking_budget_left"].copy_(left)
@@ -162,7 +164,7 @@ def test_thinking_budget_forces_the_end_token_on_every_path(head):
     try:
         for greedy in (True, False):
             out = _step(head, torch.randn(B, H), allowed, [-1] * B, list(range(B)), greedy=greedy)
-            forced = [(int(l) <= 0 and int(e) >= 0) for l, e in zip(left, end)]
+            forced = [(int(l) <= 0 and int(e) >= 0 and r != 7) for r, (l, e) in enumerate(zip(left, end))]
             assert [o == 17 for o in out] == forced, (greedy, out)
     finally:
         inputs.processors["thinking_budget_left"].fill_(0)
