@@ -19,6 +19,7 @@ from .processors import (
     apply_min_tokens,
     apply_penalties,
     apply_temperature,
+    apply_thinking_budget,
     no_token_rows,
 )
 
@@ -41,5 +42,6 @@ __all__ = [
     "apply_min_tokens",
     "apply_penalties",
     "apply_temperature",
+    "apply_thinking_budget",
     "no_token_rows",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "apply_logit_bias",
     "apply_min_tokens_and_logit_bias",
     "apply_penalties",
+    "apply_thinking_budget",
     "apply_temperature",
     "apply_min_p",
     "no_token_rows",
@@ -106,6 +107,25 @@ def apply_penalties(
     penalised = penalised - (counts > 0).to(logits.dtype) * presence.to(logits.dtype).unsqueeze(-1)
     change = torch.where(valid & seen.isfinite(), penalised - seen, 0.0)
     return logits.scatter_add(-1, index, change)
+
+
+FORCE = 1e9  # what a forced token's logit gains (vLLM's forcing writes 1e9): every other token's probability is 0
+
+
+def apply_thinking_budget(logits: torch.Tensor, left: torch.Tensor, end_id: torch.Tensor) -> torch.Tensor:
+    """In a row whose thought has spent its budget, make the end-of-thought token the one it samples.
+
+    ``left`` int ``[...]``: thought tokens the row may still write; ``end_id`` int64
+    ``[...]``: the end-of-thought token it writes once ``left <= 0`` (``-1``: the row is
+    not in a thought). A forced row's ``end_id`` logit gains ``FORCE`` (1e9, as vLLM's forcing
+    sets): it is the argmax, and after softmax every other token's probability is exactly 0 in
+    float32, at any temperature up to ~1e7 — so greedy, sampled and draft-verifying rows all
+    emit it. A forced token the grammar masked (``-inf``) stays masked. Not argmax-invariant:
+    greedy paths run it too. One scatter-add (one copy of the logits).
+    """
+    forced = (left <= 0) & _valid(end_id, logits.shape[-1])
+    column = torch.where(forced, end_id, 0).unsqueeze(-1)
+    return logits.scatter_add(-1, column, torch.where(forced, FORCE, 0.0).unsqueeze(-1).to(logits.dtype))
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,13 @@ from neuron_constrain.kernels import (
     apply_min_tokens,
     apply_penalties,
     apply_temperature,
+    apply_thinking_budget,
 )
 
 PASS_NAME = "process_logits"  # the key of the pass's entry in a TransformReport
-BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "min_p")
+BUILTIN_PROCESSORS = ("min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p")
+# what speculative decoding keeps: processors that only force or forbid tokens (a draft is checked against them)
+SPECULATIVE_PROCESSORS = ("min_tokens", "thinking_budget")
 # the fixed per-row widths "S" / "K" / "L" of the built-in inputs: the option that sets each, and its default
 WIDTH_OPTIONS = {"S": "max_stop_tokens", "K": "max_bias_tokens", "L": "max_penalty_tokens"}
 DEFAULT_WIDTHS = {"max_stop_tokens": 4, "max_bias_tokens": 16, "max_penalty_tokens": 1024}
@@ -36,7 +39,9 @@ class RequestParams:
     """One request's processor parameters (neutral defaults: the processor is off).
 
     ``stop_token_ids``: the ids ``min_tokens`` keeps masked (the state adds its
-    ``eos_token_id``). ``extra``: values for custom processors' ``row()``.
+    ``eos_token_id``). ``thinking_token_budget``: thought tokens the request may write
+    before the end-of-thought token is forced (the state's ``thinking`` markers; ``None``:
+    no budget). ``extra``: values for custom processors' ``row()``.
     """
 
     min_tokens: int = 0
@@ -47,6 +52,7 @@ class RequestParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    thinking_token_budget: int | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -156,12 +162,13 @@ def resolve_processors(specs: Sequence | None, *, num_speculative_tokens: int = 
     if repeated:
         raise ProcessorError(f"logits processor(s) {repeated} named twice; list each once")
     if num_speculative_tokens:
-        rejected = [n for n in names if n != "min_tokens"]
+        rejected = [n for n in names if n not in SPECULATIVE_PROCESSORS]
         if rejected:
             raise ProcessorError(
-                f"speculative decoding (num_speculative_tokens={num_speculative_tokens}) keeps only min_tokens, "
-                f"but {rejected} were requested: they change the target distribution that rejection sampling "
-                "compares draft tokens against. Pass processors=['min_tokens'] or num_speculative_tokens=0"
+                f"speculative decoding (num_speculative_tokens={num_speculative_tokens}) keeps only "
+                f"{', '.join(SPECULATIVE_PROCESSORS)}, but {rejected} were requested: they change the target "
+                "distribution that rejection sampling compares draft tokens against. Pass "
+                f"processors={list(SPECULATIVE_PROCESSORS)} (or a part) or num_speculative_tokens=0"
             )
     return [n for n in BUILTIN_PROCESSORS if n in builtins] + custom
 
@@ -177,6 +184,8 @@ BUILTIN_INPUTS = {
     "penalty_presence": ("penalties", torch.float32, (), 0.0),
     "penalty_token_ids": ("penalties", torch.int64, ("L",), -1),
     "penalty_token_counts": ("penalties", torch.int32, ("L",), 0),
+    "thinking_budget_left": ("thinking_budget", torch.int32, (), 0),
+    "thinking_end_id": ("thinking_budget", torch.int64, (), -1),
     "temperature": ("min_p", torch.float32, (), 1.0),
     "min_p": ("min_p", torch.float32, (), 0.0),
 }
@@ -198,6 +207,7 @@ KERNELS = {
         ["penalty_token_ids", "penalty_token_counts", "penalty_repetition", "penalty_frequency", "penalty_presence"],
         "penalty",
     ),
+    "thinking_budget": (apply_thinking_budget, ["thinking_budget_left", "thinking_end_id"], "thinking_budget"),
     "temperature": (apply_temperature, ["temperature"], "temperature"),
     "min_p": (apply_min_p, ["min_p"], "min_p"),
     # min_tokens then logit_bias, fused: one scatter-add, one copy of the logits (same values)
@@ -229,6 +239,102 @@ DOCS = {
     "penalty_repetition": "repetition penalty (> 0; 1 = off)",
     "penalty_frequency": "frequency penalty (0 = off)",
     "penalty_presence": "presence penalty (0 = off)",
+    "thinking_budget_left": "thought tokens the row may still write before its end-of-thought token is forced",
+    "thinking_end_id": "the end-of-thought token forced (+1e9) once thinking_budget_left <= 0 (-1: not in a thought)",
     "temperature": "per-row temperature before min_p (> 0; 1 = off)",
     "min_p": "min_p threshold in [0, 1] (0 = off)",
 }
+
+
+# ----------------------------------------------------------------------------- thoughts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Thought:
+    """Where a sequence is, thought-wise, after some tokens: ``inside`` a thought, its
+    ``count`` of thought tokens so far (every token after the start marker), ``forced``:
+    end-marker tokens written since the budget ran out, ``tail``: the last tokens (to
+    spot a marker of several tokens)."""
+
+    inside: bool = False
+    count: int = 0
+    forced: int = 0
+    tail: tuple = ()
+
+
+class Thinking:
+    """A reasoning model's thought markers (token ids) and the thinking budget's rule.
+
+    A thought opens at ``start`` and closes at ``end`` (each one token or several). A
+    request with budget ``N`` writes at most ``N`` thought tokens: from there the next
+    token of ``end`` is the only one allowed (:meth:`forced`), as vLLM's
+    ``thinking_token_budget`` does; a thought that closes by itself is not forced, and a
+    later thought gets the budget again. The state is a value (:class:`Thought`), so a
+    draft position's state is the output's advanced by the drafts before it.
+
+        thinking = Thinking(start=[32002], end=[32003])
+        state = thinking.after(prompt)                      # the prompt may open the thought
+        state = thinking.advance(state, token, budget)      # per output token
+        left, end_id = thinking.row(state, budget)          # the processor's inputs
+    """
+
+    def __init__(self, start: Sequence[int], end: Sequence[int]):
+        for name, ids in (("start", start), ("end", end)):
+            if isinstance(ids, (str, bytes)) or not len(ids) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ProcessorError(f"thinking {name}={ids!r}: pass the marker's token ids, a non-empty list of ints >= 0")
+        self.start, self.end = tuple(int(t) for t in start), tuple(int(t) for t in end)
+        self._keep = max(len(self.start), len(self.end))
+
+    def __repr__(self) -> str:
+        return f"Thinking(start={list(self.start)}, end={list(self.end)})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Thinking) and (self.start, self.end) == (other.start, other.end)
+
+    def __hash__(self) -> int:
+        return hash((self.start, self.end))
+
+    def after(self, prompt: Sequence[int]) -> Thought:
+        """The state after ``prompt``: inside a thought when its last start marker comes after
+        its last end marker, with the tokens after that start counted."""
+        prompt = list(prompt)
+        opened, closed = _last(prompt, self.start), _last(prompt, self.end)
+        tail = tuple(prompt[-self._keep:])
+        if opened > closed:
+            return Thought(True, len(prompt) - opened - len(self.start), 0, tail)
+        return Thought(False, 0, 0, tail)
+
+    def advance(self, state: Thought, token: int, budget: int | None) -> Thought:
+        """The state after one more ``token`` (``budget``: the request's, or ``None``)."""
+        tail = (state.tail + (token,))[-self._keep:]
+        if not state.inside:
+            return Thought(True, 0, 0, tail) if tail[-len(self.start):] == self.start else Thought(False, 0, 0, tail)
+        if tail[-len(self.end):] == self.end:
+            return Thought(False, 0, 0, tail)
+        forced = state.forced
+        if budget is not None and state.count >= budget and forced < len(self.end) and token == self.end[forced]:
+            forced += 1
+        return Thought(True, state.count + 1, forced, tail)
+
+    def forced(self, state: Thought, budget: int | None) -> int | None:
+        """The token the budget forces next, or ``None``."""
+        if budget is None or not state.inside or state.count < budget:
+            return None
+        return self.end[min(state.forced, len(self.end) - 1)]
+
+    def row(self, state: Thought, budget: int) -> tuple[int, int]:
+        """``(thinking_budget_left, thinking_end_id)`` for a row in ``state``: the graph forces
+        ``end_id`` where ``left <= 0``; outside a thought ``(0, -1)``, neutral."""
+        if not state.inside:
+            return 0, -1
+        return min(budget - state.count, 2**31 - 1), self.end[min(state.forced, len(self.end) - 1)]
+
+
+def _last(tokens: list, marker: tuple) -> int:
+    """Where ``marker``'s last occurrence in ``tokens`` starts (-1: none)."""
+    n = len(marker)
+    for at in range(len(tokens) - n, -1, -1):
+        if tokens[at] == marker[0] and tuple(tokens[at:at + n]) == marker:
+            return at
+    return -1

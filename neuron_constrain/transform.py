@@ -268,11 +268,11 @@ def transform(
     can replace at run time (see the tap-modules pass); ``sequence_parallel``:
     ranks the tapped values' token dim is split over (adds a ``tap_rank`` input).
     ``processors``: logits processors run in the graph after the mask (built-in
-    "min_tokens", "logit_bias", "penalties", "min_p", or custom ones; see the
+    "min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p", or custom ones; see the
     process-logits pass and :class:`neuron_constrain.processors.ProcessorState`);
     ``max_stop_tokens`` / ``max_bias_tokens`` / ``max_penalty_tokens``: their fixed
     per-row widths (stop ids, biased ids, distinct seen tokens);
-    ``num_speculative_tokens`` > 0 allows only "min_tokens".
+    ``num_speculative_tokens`` > 0 allows only "min_tokens" and "thinking_budget".
     ``check_contracts``: check each pass's ``requires`` / ``ensures`` around it
     (:class:`~neuron_constrain.pass_manager.PassManager`); off saves their graph walks.
     """

@@ -1,4 +1,4 @@
-"""Process-logits pass (``process_logits``): min_tokens, logit_bias, penalties and min_p inside the graph.
+"""Process-logits pass (``process_logits``): min_tokens, logit_bias, penalties, thinking_budget and min_p in the graph.
 
 Before (after the mask-logits pass)             After (processors = all four)
     m = where(allowed, last, -inf)                 m = where(allowed, last, -inf)
@@ -7,6 +7,7 @@ Before (after the mask-logits pass)             After (processors = all four)
     order = sort(t)                                s = gather(x, seen_ids)                                # penalties:
                                                    s2 = where(s > 0, s / rep, s * rep) - f * n - p * (n > 0)
                                                    x = scatter_add(x, seen_ids, s2 - s)
+                                                   x = scatter_add(x, end, 1e9 if left <= 0)  # thinking_budget
                                                    empty = logit_mask_empty | isneginf(amax(x[:, :V]))
                                                    tok = argmax(x, -1)           # greedy: nothing more
                                                    t = div(x, 0.8)
@@ -15,7 +16,7 @@ Before (after the mask-logits pass)             After (processors = all four)
 
 Where: at the mask point of :func:`neuron_constrain.sites.plan_mask_points` (after the
 mask-logits pass that point is the masked logits, so the order is mask, min_tokens,
-logit_bias, penalties), then, on each sampling path only, right in front of the
+logit_bias, penalties, thinking_budget: vLLM's order), then, on each sampling path only, right in front of the
 sampling op: temperature (a per-row ``temperature`` input) and min_p.
 
 Argmax-invariance is a compiler fact here: temperature (> 0) and min_p (it keeps the
@@ -45,6 +46,8 @@ Inputs (``R`` = the logits' leading dims, symbolic when they are; neutral fill =
     penalty_token_ids      int64[R, L]   distinct tokens of prompt + output, -1 padded; -1
     penalty_token_counts   int32[R, L]   times each was generated (0: prompt only); 0
     penalty_repetition / penalty_frequency / penalty_presence  float32[R]; 1 / 0 / 0
+    thinking_budget_left   int32[R]      thought tokens the row may still write; 0
+    thinking_end_id        int64[R]      end-of-thought token forced (+1e9) once left <= 0; -1 (not in a thought)
     temperature            float32[R]    sampling paths without their own; 1
     min_p                  float32[R]    sampling paths; 0
     <name>_<key>           custom processors' inputs (``LogitsProcessor.inputs``)
@@ -59,7 +62,7 @@ Options
     max_stop_tokens   S; max_bias_tokens: K; max_penalty_tokens: L (default 1024).
                       Penalties are sparse: L seen ids per row, not a dense [R, V]
                       count tensor (12 x L bytes per row to ship instead of 5 x V).
-    num_speculative_tokens  > 0 keeps only min_tokens (others raise).
+    num_speculative_tokens  > 0 keeps only min_tokens and thinking_budget (others raise).
 
 Requires ``unprocessed`` (no processor inputs yet) and ``full_vocabulary`` (no
 ``tp_rank``: the logits are not one rank's shard); ensures ``processors_reach_sites``
@@ -168,7 +171,7 @@ def process_logits_pass(
     check_empty_row(empty_row, vocab)
 
     # Decide everything before editing: which paths sample, which scale logits themselves.
-    stage_one = [p for p in procs if p in ("min_tokens", "logit_bias", "penalties")]
+    stage_one = [p for p in procs if p in ("min_tokens", "logit_bias", "penalties", "thinking_budget")]
     stage_one += [p for p in procs if not isinstance(p, str) and not p.argmax_invariant]
     invariant = [p for p in procs if p == "min_p" or (not isinstance(p, str) and p.argmax_invariant)]
     sampling_inputs: dict[torch.fx.Node, list] = {}  # a sampling site's logits -> its sites

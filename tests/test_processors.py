@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 import neuron_constrain as nc
 from neuron_constrain.errors import EmptyMaskRowError, TransformError
-from neuron_constrain.kernels import apply_logit_bias, apply_min_tokens, apply_min_tokens_and_logit_bias, pack_bool_mask
+from neuron_constrain.kernels import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_min_tokens_and_logit_bias,
+    apply_thinking_budget,
+    pack_bool_mask,
+)
 from neuron_constrain.passes import process_logits_pass
 from neuron_constrain.processors import (
     ENTRY_POINT_GROUP,
@@ -26,9 +32,11 @@ from neuron_constrain.processors import (
 )
 from neuron_constrain.testing import GreedyStep, SamplingStep, TopKMultinomialStep, random_ids, tiny_decoder
 from conftest import require_torch_xla
+from neuron_constrain.processor_interface import Thinking
+from test_processors_state import reference_thought
 
 aten = torch.ops.aten
-ALL = ["min_tokens", "logit_bias", "penalties", "min_p"]
+ALL = ["min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p"]
 BATCH_DIM = torch.export.Dim("batch")
 NEG_INF = -math.inf
 
@@ -38,7 +46,7 @@ NEG_INF = -math.inf
 
 def reference_row(logits, allowed, params: RequestParams, prompt, outputs, *, eos, vocab):
     """The processed logits of one row before sampling (greedy picks their argmax):
-    grammar mask, min_tokens, logit_bias, penalties. Plain Python floats."""
+    grammar mask, min_tokens, logit_bias, penalties, thinking budget. Plain Python floats."""
     x = [float(v) if i < vocab and allowed[i] else NEG_INF for i, v in enumerate(logits)]
     if len(outputs) < params.min_tokens:
         for token in {*params.stop_token_ids, eos}:
@@ -51,6 +59,10 @@ def reference_row(logits, allowed, params: RequestParams, prompt, outputs, *, eo
             p = params.repetition_penalty
             x[token] = x[token] / p if x[token] > 0 else x[token] * p
         x[token] -= params.frequency_penalty * counts[token] + params.presence_penalty * (counts[token] > 0)
+    if params.thinking_token_budget is not None:  # a spent budget: the end marker's next token gains 1e9
+        left, end_id = reference_thought(list(prompt), list(outputs), params.thinking_token_budget, THINK, END)
+        if end_id >= 0 and left <= 0:
+            x[end_id] += 1e9
     return x
 
 
@@ -74,6 +86,7 @@ def argmax(x):
 # ----------------------------------------------------------------------------- synthetic decoders
 
 VOCAB, WIDTH, EOS, SLOTS = 70, 80, 3, 5
+THINK, END = [60], [61, 62]  # thought markers (the end marker two tokens)
 
 
 class Synthetic(torch.nn.Module):
@@ -129,6 +142,7 @@ def params_strategy():
         repetition_penalty=st.sampled_from([1.0, 1.3, 0.7]),
         frequency_penalty=st.sampled_from([0.0, 0.5]),
         presence_penalty=st.sampled_from([0.0, -0.4, 1.0]),
+        thinking_token_budget=st.sampled_from([None, 0, 1, 2]),
     )
 
 
@@ -139,7 +153,7 @@ def params_strategy():
 )
 def test_property_graph_matches_reference_over_batch_updates(kind, masked, data):
     module, t = synthetic(kind)
-    state = ProcessorState.for_model(t, SLOTS, eos_token_id=EOS)
+    state = ProcessorState.for_model(t, SLOTS, eos_token_id=EOS, thinking=Thinking(THINK, END))
     requests: dict[int, list] = {}  # slot -> [params, prompt, outputs]
     tokens = st.integers(0, VOCAB - 1)
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
@@ -148,7 +162,9 @@ def test_property_graph_matches_reference_over_batch_updates(kind, masked, data)
         for slot in removed:
             del requests[slot]
         free = [s for s in range(SLOTS) if s not in requests]
-        added = [(s, data.draw(params_strategy()), data.draw(st.lists(tokens, max_size=4)))
+        # half the prompts end inside a thought (its start marker, then 0-1 thought tokens)
+        added = [(s, data.draw(params_strategy()), data.draw(st.lists(tokens, max_size=3))
+                  + data.draw(st.sampled_from([[], THINK, THINK + [7]])))
                  for s in data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3) if free else st.just([]))]
         for slot, params, prompt in added:
             requests[slot] = [params, prompt, []]
@@ -210,6 +226,58 @@ def test_property_graph_matches_reference_over_batch_updates(kind, masked, data)
         for row, token in enumerate(picked.tolist()):
             if row in requests:
                 requests[row][2].append(token)
+
+
+@given(rows=st.integers(1, 4), width=st.integers(1, 9), data=st.data())
+def test_property_thinking_budget_kernel_matches_the_rule(rows, width, data):
+    """A row with ``left <= 0`` and an end id in ``[0, W)``: the end id's logit gains 1e9 (its argmax,
+    every other token's probability 0; a masked -inf stays -inf); any other row is unchanged, bit for bit."""
+    logits = torch.tensor(data.draw(st.lists(st.lists(st.one_of(st.floats(-5, 5, width=32), st.just(NEG_INF)),
+                                                       min_size=width, max_size=width), min_size=rows, max_size=rows)))
+    left = torch.tensor(data.draw(st.lists(st.integers(-2, 2), min_size=rows, max_size=rows)), dtype=torch.int32)
+    end = torch.tensor(data.draw(st.lists(st.integers(-1, width), min_size=rows, max_size=rows)), dtype=torch.int64)
+    got = apply_thinking_budget(logits, left, end)
+    for r in range(rows):
+        if left[r] <= 0 and 0 <= end[r] < width:
+            e = int(end[r])
+            assert got[r, e] == logits[r, e] + 1e9 and torch.equal(got[r, :e], logits[r, :e])
+            assert torch.equal(got[r, e + 1:], logits[r, e + 1:])
+            if logits[r, e].isfinite():
+                assert int(got[r].argmax()) == e and got[r].softmax(-1)[e] == 1.0
+        else:
+            assert torch.equal(got[r], logits[r])
+
+
+@given(budgets=st.lists(st.sampled_from([0, 1, 2, 3]), min_size=1, max_size=SLOTS),
+       opened=st.lists(st.sampled_from([[], THINK, THINK + [7]]), min_size=SLOTS, max_size=SLOTS),
+       seed=st.integers(0, 2**16))
+def test_property_thinking_budget_writes_exactly_the_budget_then_the_end_marker(budgets, opened, seed):
+    """Greedy decoding where every request has a budget: a thought the prompt opens (or the
+    model does) gets exactly ``budget`` thought tokens, then the end marker's two tokens, forced
+    on greedy rows too; the graph's tokens equal the reference's at every step."""
+    module, t = synthetic("greedy")
+    state = ProcessorState.for_model(t, SLOTS, eos_token_id=EOS, thinking=Thinking(THINK, END))
+    batch = len(budgets)
+    prompts = [[5, 9] + opened[row] for row in range(batch)]
+    state.update(BatchUpdate(batch, added=[(row, RequestParams(thinking_token_budget=budgets[row]), prompts[row])
+                                           for row in range(batch)]))
+    generator = torch.Generator().manual_seed(seed)
+    outputs = [[] for _ in range(batch)]
+    for _ in range(6):
+        ids = torch.randint(0, VOCAB, (batch, 3), generator=generator)
+        raw = module.logits(ids).detach()
+        want = [argmax(reference_row(raw[row].tolist(), [True] * VOCAB, RequestParams(
+            thinking_token_budget=budgets[row]), prompts[row], outputs[row], eos=EOS, vocab=VOCAB)) for row in range(batch)]
+        got = t(ids, torch.ones(batch, WIDTH), logit_mask=torch.ones(batch, VOCAB, dtype=torch.bool), **state.inputs())
+        assert got.tolist() == want
+        state.append_tokens(got)
+        for row, token in enumerate(got.tolist()):
+            outputs[row].append(token)
+    for row in range(batch):  # a prompt that opened a thought: budget tokens (less those in the prompt), then END
+        if opened[row]:
+            written = max(budgets[row] - (len(opened[row]) - 1), 0)
+            if END[0] not in outputs[row][:written]:  # (unless the model closed it itself)
+                assert outputs[row][written:written + 2] == END, (budgets[row], opened[row], outputs[row])
 
 
 # ----------------------------------------------------------------------------- real decoders
@@ -287,13 +355,14 @@ def test_pruning_contract_greedy_has_no_min_p_or_temperature():
     # (the one amax is the empty-row check after min_tokens)
     assert added[aten.log.default] == 0 and added[aten.amax.default] == 1
     assert not inserted(processed.program, "min_p") and not inserted(processed.program, "temperature")
-    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other
-    assert added[aten.scatter_add.default] == 2 and added[aten.gather.default] == 1
+    # min_tokens and logit_bias fused into one scatter-add (one copy of the logits), penalties the other,
+    # thinking_budget a third (one column a row)
+    assert added[aten.scatter_add.default] == 3 and added[aten.gather.default] == 1
     names = {i.name for i in processed.report.inputs_added}
     assert "min_p" not in names and "temperature" not in names
     [site] = processed.report["process_logits"].sites
     assert site["kind"] == "argmax"
-    assert site["processors"] == ["min_tokens", "logit_bias", "penalties"]
+    assert site["processors"] == ["min_tokens", "logit_bias", "penalties", "thinking_budget"]
     assert site["pruned"] == ["temperature", "min_p"]
     assert any("argmax-invariant" in note for note in processed.report["process_logits"].notes)
 
@@ -308,10 +377,10 @@ def test_pruning_contract_sampling_sites_get_min_p(kind):
     [site] = report.sites
     names = {i.name for i in report.inputs_added}
     if kind == "sampling":  # SamplingStep divides by its own temperature: no temperature input
-        assert site["processors"] == ["min_tokens", "logit_bias", "penalties", "min_p"]
+        assert site["processors"] == ["min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p"]
         assert "temperature" not in names and any("scales its logits itself" in n for n in report.notes)
     else:
-        assert site["processors"] == ["min_tokens", "logit_bias", "penalties", "temperature", "min_p"]
+        assert site["processors"] == ["min_tokens", "logit_bias", "penalties", "thinking_budget", "temperature", "min_p"]
         assert "temperature" in names and inserted(processed.program, "temperature")
 
 
@@ -327,18 +396,18 @@ def chain_back(node, stop: str) -> list[str]:
 def prefixes(names) -> list[str]:
     order = []
     for name in names:
-        for prefix in ("min_p", "temperature", "penalty", "logit_bias", "min_tokens", "logit_mask"):
+        for prefix in ("min_p", "temperature", "thinking_budget", "penalty", "logit_bias", "min_tokens", "logit_mask"):
             if name.startswith(prefix) and (not order or order[-1] != prefix):
                 order.append(prefix)
     return order
 
 
-def test_order_is_mask_min_tokens_bias_penalties_temperature_min_p():
+def test_order_is_mask_min_tokens_bias_penalties_thinking_budget_temperature_min_p():
     _, _, processed = llama_steps()["topk"]
     topk = next(n for n in processed.program.graph.nodes if n.target == aten.topk.default)
     chain = chain_back(topk, "select")  # select: the last-position logits, the mask point
     # min_tokens and logit_bias run as one fused scatter-add (its nodes are named min_tokens_logit_bias_*)
-    assert prefixes(chain) == ["min_p", "temperature", "penalty", "min_tokens", "logit_mask"]
+    assert prefixes(chain) == ["min_p", "temperature", "thinking_budget", "penalty", "min_tokens", "logit_mask"]
     assert any(name.startswith("min_tokens_logit_bias") for name in chain)
 
 
@@ -365,9 +434,9 @@ def test_property_fused_min_tokens_and_logit_bias_equal_the_two_scatters(rows, w
 def test_mixed_graph_only_the_sampling_path_gets_min_p():
     _, t = synthetic("both")
     graph = t.program.graph
-    greedy = next(n for n in graph.nodes if n.target == aten.argmax.default and n.args[0].name.startswith(("logit_mask_empty", "penalty")))
+    greedy = next(n for n in graph.nodes if n.target == aten.argmax.default and n.args[0].name.startswith(("logit_mask_empty", "thinking_budget")))
     softmax = next(n for n in graph.nodes if n.target in (aten._softmax.default, aten.softmax.int))
-    assert prefixes([greedy.args[0].name]) == ["penalty"]
+    assert prefixes([greedy.args[0].name]) == ["thinking_budget"]
     assert prefixes([softmax.args[0].name]) == ["min_p"]
     kinds = {s["kind"]: s for s in t.report["process_logits"].sites}
     assert kinds["argmax"]["pruned"] == ["temperature", "min_p"]

@@ -18,16 +18,18 @@ from neuron_constrain.processors import (
     ProcessorState,
     RequestParams,
 )
+from neuron_constrain.processor_interface import Thinking
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic
 
 SLOTS, VOCAB, STOPS, BIAS, SEEN, EOS = 6, 37, 3, 4, 16, 2
+THINK, END = [35], [36, 34]  # a thought opens at 35 and closes at 36 34 (an end marker of two tokens)
 
 
 def new_state(**options) -> ProcessorState:
     options = {"vocab_size": VOCAB, "max_stop_tokens": STOPS, "max_bias_tokens": BIAS,
-               "max_penalty_tokens": SEEN, "eos_token_id": EOS, **options}
+               "max_penalty_tokens": SEEN, "eos_token_id": EOS, "thinking": Thinking(THINK, END), **options}
     return ProcessorState(SLOTS, **options)
 
 
@@ -38,13 +40,38 @@ class Request:
     outputs: list
 
 
+def reference_thought(prompt: list, outputs: list, budget: int, start=THINK, end=END) -> tuple[int, int]:
+    """(thinking_budget_left, thinking_end_id) from the rule: inside a thought after a start
+    marker with no end marker after it; every token after the start counts; once ``budget``
+    are written, the end marker's tokens are forced one by one."""
+    def ends_with(seq, marker):
+        return seq[-len(marker):] == marker
+
+    opened = [i for i in range(len(prompt)) if prompt[i:i + len(start)] == start]
+    closed = [i for i in range(len(prompt)) if prompt[i:i + len(end)] == end]
+    inside = bool(opened) and (not closed or opened[-1] > closed[-1])
+    count, forced, seq = (len(prompt) - opened[-1] - len(start) if inside else 0), 0, list(prompt)
+    for token in outputs:
+        seq.append(token)
+        if not inside:
+            inside, count, forced = ends_with(seq, start), 0, 0
+        elif ends_with(seq, end):
+            inside = False
+        else:
+            if count >= budget and forced < len(end) and token == end[forced]:
+                forced += 1
+            count += 1
+    return (budget - count, end[min(forced, len(end) - 1)]) if inside else (0, -1)
+
+
 def reference_inputs(slots: dict[int, Request], batch: int) -> dict:
     """Every input from scratch: what each processor means for each row. The seen
     tokens of penalties are a per-row ``{token: output count}`` (their column order
     is the state's business)."""
     cols = {name: [] for name in (
         "min_tokens_remaining", "min_tokens_stop_ids", "logit_bias_ids", "logit_bias_values",
-        "penalty_repetition", "penalty_frequency", "penalty_presence", "penalty_seen", "temperature", "min_p",
+        "penalty_repetition", "penalty_frequency", "penalty_presence", "penalty_seen", "thinking_budget_left",
+        "thinking_end_id", "temperature", "min_p",
     )}
     for row in range(batch):
         request = slots.get(row)
@@ -67,9 +94,14 @@ def reference_inputs(slots: dict[int, Request], batch: int) -> dict:
             for token in outputs:
                 seen[token] = seen.get(token, 0) + 1
         cols["penalty_seen"].append(seen)
+        left, end_id = (0, -1) if p.thinking_token_budget is None else \
+            reference_thought(request.prompt, outputs, p.thinking_token_budget)
+        cols["thinking_budget_left"].append(left)
+        cols["thinking_end_id"].append(end_id)
         cols["temperature"].append(p.temperature)
         cols["min_p"].append(p.min_p)
-    dtypes = {"min_tokens_remaining": torch.int32, "min_tokens_stop_ids": torch.int64, "logit_bias_ids": torch.int64}
+    dtypes = {"min_tokens_remaining": torch.int32, "min_tokens_stop_ids": torch.int64, "logit_bias_ids": torch.int64,
+              "thinking_budget_left": torch.int32, "thinking_end_id": torch.int64}
     shapes = {"min_tokens_stop_ids": (STOPS,), "logit_bias_ids": (BIAS,), "logit_bias_values": (BIAS,)}
     return {
         k: v if k == "penalty_seen" else torch.tensor(v, dtype=dtypes.get(k, torch.float32)).reshape(batch, *shapes.get(k, ()))
@@ -100,6 +132,7 @@ def params_strategy():
         repetition_penalty=st.sampled_from([1.0, 1.0, 1.5]),
         frequency_penalty=st.sampled_from([0.0, 0.0, 0.25]),
         presence_penalty=st.sampled_from([0.0, 0.0, -0.5]),
+        thinking_token_budget=st.sampled_from([None, None, 0, 1, 3]),
     )
 
 
@@ -130,7 +163,8 @@ def assert_inputs_equal(state: ProcessorState, slots: dict, batch: int) -> None:
 @given(data=st.data())
 def test_property_random_updates_match_the_reference(data):
     state, slots = new_state(), {}
-    tokens = st.integers(0, VOCAB - 1)
+    # the markers' tokens often: thoughts open, close and get forced
+    tokens = st.one_of(st.integers(0, VOCAB - 1), st.sampled_from(THINK + END))
     for _ in range(data.draw(st.integers(1, 6), label="steps")):
         occupied = sorted(slots)
         removed = data.draw(st.lists(st.sampled_from(occupied), unique=True) if occupied else st.just([]), label="removed")

@@ -114,7 +114,7 @@ def given_processors():
     from neuron_constrain.testing import GreedyStep
 
     return {"step": GreedyStep(tiny()), "ids": torch.randint(0, VOCAB, (2, 6)), "eos": 2, "bitmask": _bitmask(2),
-            "prompt_ids_0": [1, 5, 9], "prompt_ids_1": [4, 4, 8]}
+            "prompt_ids_0": [1, 5, 9], "prompt_ids_1": [4, 4, 8], "think_id": 998, "end_think_id": 999}
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +132,13 @@ def given_engines():
     S, model, tok = _real_tokenizers()
     return {"S": S, "model": model, "tok": tok, "prompts": ["Answer:", "Pick:"],
             "constraints": [S.json_schema({"type": "boolean"}), S.choice(["yes", "no"])]}
+
+
+def given_reasoning():
+    """The "Real tokenizers" model (its markers several tokens each) and prompts that open a thought."""
+    given = given_engines()
+    return {"S": given["S"], "decoder": given["model"], "tok": given["tok"], "prompts": ["Q: <think>", "Pick: <think>"],
+            "constraints": given["constraints"]}
 
 
 def given_failures():
@@ -187,6 +194,7 @@ GIVEN = {
     "torch.compile backend": given_compile,
     "XLA and Neuron": given_xla,
     "Logits processors": given_processors,
+    "Reasoning models: a thought, then the answer's grammar": given_reasoning,
 }
 NEEDS = {"XLA and Neuron": "torch_xla"}  # blocks that need a package only one lane has
 

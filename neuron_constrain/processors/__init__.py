@@ -8,6 +8,8 @@ Built-ins, in graph order (see ``neuron_constrain.passes.process_logits_pass``):
     logit_bias   sparse per-row token biases (fixed K ids/values per row)
     penalties    repetition / frequency / presence on the distinct tokens a row has seen
                  (prompt and output; fixed L ids per row, with output counts)
+    thinking_budget  once a row's thought has its budget of tokens, only the end marker's next
+                 token (``RequestParams(thinking_token_budget=N)``; ``ProcessorState(thinking=Thinking(...))``)
     min_p        probability-space threshold; with a per-row temperature before it
                  (sampling paths only: both are argmax-invariant)
 
@@ -38,6 +40,7 @@ from neuron_constrain.processor_interface import (
     ProcessorError,
     builtin_inputs,
     RequestParams,
+    Thinking,
     resolve_processors,
 )
 from neuron_constrain.processors.state import MOVE, SWAP, BatchUpdate, ProcessorState
@@ -54,5 +57,6 @@ __all__ = [
     "ProcessorError",
     "ProcessorState",
     "RequestParams",
+    "Thinking",
     "resolve_processors",
 ]

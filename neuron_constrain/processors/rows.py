@@ -6,9 +6,10 @@ process-logits pass added, written for a whole batch at once.
     used = write_rows(views, inputs, requests, req=req, pos=pos, outputs=outputs, dirty=dirty)
 
 Row ``r`` is request ``req[r]`` at draft position ``pos[r]`` (0 without speculation):
-min_tokens counts the drafts before it (``remaining = max(min_tokens - done - pos, 0)``) and
+min_tokens counts the drafts before it (``remaining = max(min_tokens - done - pos, 0)``),
 penalties see the output plus those drafts (``drafts_of[i][:pos]``), as vLLM's rejection
-sampler does. ``views`` are numpy arrays sharing memory with the program's inputs; a
+sampler does, and the thinking budget counts the thought the drafts before it extend
+(``Thinking.advance`` over them: a draft may close or open a thought). ``views`` are numpy arrays sharing memory with the program's inputs; a
 group's rows are reset to neutral only when some row used it last time (``dirty``).
 :class:`~neuron_constrain.processors.ProcessorState` and the vLLM worker both write
 through here.
@@ -26,6 +27,8 @@ from neuron_constrain.processor_interface import (
     BUILTIN_PROCESSORS,
     DEFAULT_WIDTHS,
     WIDTH_OPTIONS,
+    Thinking,
+    Thought,
     builtin_inputs,
 )
 
@@ -87,15 +90,18 @@ class ProcessorInputs:
 class RequestRows:
     """What one request's parameters give its rows (fixed per request, computed once).
 
-    ``custom``: custom processors' values, group -> {input name: value}.
+    ``custom``: custom processors' values, group -> {input name: value}. ``thinking``
+    and ``thinking_budget``: the model's thought markers and this request's budget (both
+    or neither).
     """
 
     __slots__ = ("min_tokens", "stops", "bias_ids", "bias_values", "min_p", "temperature", "penalties",
-                 "prompt_unique", "custom", "_seen")
+                 "prompt_unique", "custom", "thinking", "thinking_budget", "_seen", "_thought", "_thought_start")
 
     def __init__(self, *, min_tokens: int = 0, stop_ids: Sequence[int] = (), logit_bias: Mapping | None = None,
                  min_p: float = 0.0, temperature: float = 1.0, penalties: tuple = (1.0, 0.0, 0.0),
-                 prompt: Sequence[int] = (), custom: Mapping[str, Mapping] | None = None):
+                 prompt: Sequence[int] = (), custom: Mapping[str, Mapping] | None = None,
+                 thinking: Thinking | None = None, thinking_budget: int | None = None):
         self.min_tokens = int(min_tokens or 0)
         self.stops = np.asarray(list(stop_ids), dtype=np.int64) if self.min_tokens and len(stop_ids) else None
         self.bias_ids = self.bias_values = None
@@ -106,6 +112,11 @@ class RequestRows:
         self.penalties = tuple(float(p) for p in penalties) if tuple(penalties) != (1.0, 0.0, 0.0) else None
         self.prompt_unique = np.unique(np.asarray(list(prompt), dtype=np.int64))
         self.custom = dict(custom or {})
+        self.thinking = thinking if thinking_budget is not None else None
+        self.thinking_budget = thinking_budget if thinking is not None else None
+        # thinking budget: (output list, tokens scanned, state), advanced as the output grows
+        self._thought_start = None if self.thinking is None else self.thinking.after(prompt)
+        self._thought = (None, 0, self._thought_start)
         self._seen = None  # penalties: (output list, tokens counted, ids, counts), updated as the output grows
 
     def seen(self, output: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -135,6 +146,26 @@ class RequestRows:
         complete = len(ids) < width and all(t >= 0 for t in output)
         self._seen = (output, len(output), ids, counts) if complete else None
         return ids, counts
+
+
+    def thought(self, output: Sequence[int], drafts: Sequence[int] = ()) -> Thought:
+        """Where the request's thought is after ``output`` and then ``drafts``; the output's
+        state is kept and advanced while ``output`` only grows (vLLM's async output holds -1
+        placeholders a while: a state is kept only up to the first of them)."""
+        output = output or ()
+        thinking, budget = self.thinking, self.thinking_budget
+        cached_output, scanned, state = self._thought
+        if cached_output is not output or scanned > len(output):
+            scanned, state = 0, self._thought_start
+        for token in output[scanned:]:
+            if token < 0:
+                break
+            state = thinking.advance(state, int(token), budget)
+            scanned += 1
+        self._thought = (output, scanned, state)
+        for token in drafts:
+            state = thinking.advance(state, int(token), budget)
+        return state
 
 
 def _seen_tokens(prompt_unique: np.ndarray, seen: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,6 +207,8 @@ def write_rows(views: Mapping[str, np.ndarray], inputs: ProcessorInputs, request
         used["min_p"] = rows[[bool(requests[i].min_p) or requests[i].temperature != 1.0 for i in req]] if len(rows) else rows
     if "penalties" in groups:
         used["penalties"] = rows[[requests[i].penalties is not None for i in req]] if len(rows) else rows
+    if "thinking_budget" in groups:
+        used["thinking_budget"] = rows[[requests[i].thinking is not None for i in req]] if len(rows) else rows
     for group in groups - set(BUILTIN_PROCESSORS):
         used[group] = rows[[group in requests[i].custom for i in req]] if len(rows) else rows
     for group, at in used.items():
@@ -217,6 +250,16 @@ def _write(views, group: str, requests, at: np.ndarray, req, pos, done, outputs,
                 ids, counts = requests[i].seen(outputs[i], width)
             views["penalty_token_ids"][r, : len(ids)] = ids
             views["penalty_token_counts"][r, : len(ids)] = counts
+    elif group == "thinking_budget":
+        left, end_id = views["thinking_budget_left"], views["thinking_end_id"]
+        for r, i in zip(at, owners):
+            request = requests[i]
+            if drafts_of is not None or not pos[r]:
+                state = request.thought(outputs[i], drafts_of[i][: pos[r]] if pos[r] else ())
+            else:  # draft tokens not given: each position before this row counts as a thought token
+                state = request.thought(outputs[i])
+                state = dataclasses.replace(state, count=state.count + int(pos[r])) if state.inside else state
+            left[r], end_id[r] = request.thinking.row(state, request.thinking_budget)
     else:  # a custom processor's inputs
         for r, i in zip(at, owners):
             for name, value in requests[i].custom[group].items():

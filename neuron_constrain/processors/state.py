@@ -18,6 +18,7 @@ from neuron_constrain.processor_interface import (
     PASS_NAME,
     ProcessorError,
     RequestParams,
+    Thinking,
     resolve_processors,
 )
 from neuron_constrain.processors.rows import NEUTRAL, ProcessorInputs, RequestRows, write_rows
@@ -60,6 +61,8 @@ class ProcessorState:
     the graph takes (default: all of the listed processors'); the pass leaves out
     min_p and temperature when every site is greedy, and temperature on paths that
     scale their logits themselves, so :meth:`for_model` reads them from the program.
+    ``thinking``: the model's thought markers (:class:`Thinking`), which a request's
+    ``thinking_token_budget`` counts against.
     """
 
     def __init__(
@@ -75,8 +78,12 @@ class ProcessorState:
         eos_token_id: int | None = None,
         input_names: Sequence[str] | None = None,
         inputs: ProcessorInputs | None = None,
+        thinking: Thinking | None = None,
     ):
         self.max_num_reqs = max_num_reqs
+        if thinking is not None and not isinstance(thinking, Thinking):
+            raise ProcessorError(f"thinking={thinking!r}: pass a Thinking(start=[ids], end=[ids]) or None")
+        self.thinking = thinking
         self.vocab_size = vocab_size
         self.spec_rows = 1 + num_speculative_tokens
         self.eos_token_id = eos_token_id
@@ -172,6 +179,12 @@ class ProcessorState:
                 )
             min_p = params.min_p
             temperature = params.temperature if "temperature" in specs else 1.0
+        budget = params.thinking_token_budget
+        if budget is not None and "thinking_budget" not in self.groups:
+            raise ProcessorError(
+                f"thinking_token_budget={budget}: the graph has no thinking_budget processor; transform with "
+                "processors=[..., 'thinking_budget'] or drop the budget"
+            )
         custom = {}
         for proc in self.processors:
             if not isinstance(proc, str) and proc.name in self.groups:
@@ -179,7 +192,8 @@ class ProcessorState:
                 if values:
                     custom[proc.name] = {n: v for k, v in values.items() if (n := proc.input_name(k)) in specs}
         return RequestRows(min_tokens=params.min_tokens, stop_ids=stops, logit_bias=bias, min_p=min_p,
-                           temperature=temperature, penalties=penalties, prompt=prompt, custom=custom)
+                           temperature=temperature, penalties=penalties, prompt=prompt, custom=custom,
+                           thinking=self.thinking, thinking_budget=budget)
 
     def _check_params(self, params: RequestParams, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Every documented constraint, whichever processors the graph has: a value the
@@ -201,6 +215,14 @@ class ProcessorState:
             raise ProcessorError(
                 f"penalties repetition={rep}, frequency={freq}, presence={pres}: repetition must be > 0 and finite, "
                 "the others finite (1.0 / 0.0 / 0.0 turn them off)"
+            )
+        budget = params.thinking_token_budget
+        if budget is not None and (not _is_index(budget) or budget < 0):
+            raise ProcessorError(f"thinking_token_budget={budget!r}: use an int >= 0 (None: no budget)")
+        if budget is not None and self.thinking is None:
+            raise ProcessorError(
+                f"thinking_token_budget={budget}: the state knows no thought markers; build it with "
+                "thinking=Thinking(start=[ids], end=[ids]) (the model's <think> and </think> token ids)"
             )
         if not 0.0 <= params.min_p <= 1.0 or not 0 <= params.temperature < math.inf:
             raise ProcessorError(
@@ -273,7 +295,7 @@ class ProcessorState:
         for slot, row in enumerate(rows):
             request = self.rows[slot]
             counting = request.stops is not None and len(self.outputs[slot]) < request.min_tokens
-            if not counting and request.penalties is None:
+            if not counting and request.penalties is None and request.thinking is None:
                 continue  # nothing of this request's rows depends on its output
             accepted = row if isinstance(row, list) else [row]
             seen = self.seen[slot]

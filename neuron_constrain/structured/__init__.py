@@ -45,6 +45,7 @@ from neuron_constrain.structured.errors import (
     RequestFailedError,
     StructuredOutputsDisabledError,
 )
+from neuron_constrain.structured.reasoning import Reasoning
 from neuron_constrain.structured.runtime import Accepted, StructuredRuntime
 from neuron_constrain.structured.tokenizers import (
     Tokenizer,
@@ -83,6 +84,7 @@ __all__ = [
     "StructuredRuntime",
     "Generation",
     "GenerateResult",
+    "Reasoning",
     "ToolCall",
     "json_schema",
     "any_json",

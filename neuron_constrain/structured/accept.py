@@ -17,6 +17,7 @@ import torch
 
 from neuron_constrain.structured.errors import DisallowedTokenError, NoAllowedTokenError
 from neuron_constrain.structured.layout import Layout, RequestState
+from neuron_constrain.structured.reasoning import ReasoningMatcher
 from neuron_constrain.structured.requests import Requests
 
 
@@ -84,7 +85,7 @@ class Acceptor:
 
     def refused(self, request_id, state: RequestState, token: int) -> DisallowedTokenError:
         return DisallowedTokenError(
-            f"request {request_id!r} ({state.constraint.describe()}) got token {token} "
+            f"request {request_id!r} ({state.describe()}) got token {token} "
             f"({self._piece(token)!r}), which its grammar does not allow here: the mask fed to the "
             "graph was not this request's current row (check the batch order and draft offsets), "
             "or the graph ignored the mask",
@@ -130,7 +131,11 @@ class Acceptor:
                 positions = [positions[i] for i in keep]
                 live, matchers, live_tokens = [live[i] for i in keep], [matchers[i] for i in keep], [live_tokens[i] for i in keep]
             tick = clock()
-            accepted = self.engine.batch_accept(matchers, live_tokens)
+            if self.requests.reasoning:  # reasoning requests' matchers are not the engine's: each accepts itself
+                accepted = [m.accept_token(t) for m, t in zip(matchers, live_tokens)] \
+                    if any(type(m) is ReasoningMatcher for m in matchers) else self.engine.batch_accept(matchers, live_tokens)
+            else:
+                accepted = self.engine.batch_accept(matchers, live_tokens)
             engine_seconds = clock() - tick
             stops = self.stop_token_ids
             if not stops.isdisjoint(live_tokens):  # accepting a stop token is what terminates a matcher

@@ -2,6 +2,7 @@
 
     cache = CompileCache(engine, workers=2, size=512)
     job = cache.get(constraint)       # CompileJob: .future (-> engine.CompiledGrammar), .started (None while queued)
+    job = cache.get_all([a, b])       # one job for several: .future -> (CompiledGrammar, CompiledGrammar), None for a None
     cache.put(compiled)               # a grammar compiled elsewhere (engine.compile), kept under its constraint
     cache.hits, cache.misses
 
@@ -34,6 +35,25 @@ class CompileJob:
         self.started: float | None = None
 
 
+class JoinedJob(CompileJob):
+    """Several compilations as one job (``CompileCache.get_all``): started when the first started."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = parts
+
+    @property
+    def started(self) -> float | None:
+        starts = [j.started for j in self.parts if j.started is not None]
+        return min(starts) if starts else None
+
+    @started.setter
+    def started(self, value) -> None:  # (CompileJob's __init__ sets it; the parts' times are what count)
+        pass
+
+
 class CompileCache:
     def __init__(self, engine, *, workers: int, size: int):
         self.engine = engine
@@ -61,6 +81,32 @@ class CompileCache:
                 if oldest is not None:
                     del self._jobs[oldest]
             return job
+
+    def get_all(self, constraints) -> CompileJob:
+        """One job for ``constraints`` (a ``None`` among them compiles nothing): its future gives their
+        compiled grammars in order, or the first failure; it started when the first of them did."""
+        jobs = [None if c is None else self.get(c) for c in constraints]
+        joined = JoinedJob([j for j in jobs if j is not None])
+        joined.future = concurrent.futures.Future()
+
+        lock = threading.Lock()
+
+        def settle(_):
+            with lock:  # the last part's callback settles it, once
+                if joined.future.done() or not all(j.future.done() for j in joined.parts):
+                    return
+                try:
+                    result = tuple(None if j is None else j.future.result() for j in jobs)
+                except Exception as error:  # noqa: BLE001 - a part's failure is the joined job's
+                    joined.future.set_exception(error)
+                else:
+                    joined.future.set_result(result)
+
+        for job in joined.parts:
+            job.future.add_done_callback(settle)
+        if not joined.parts:
+            joined.future.set_result(tuple(None for _ in jobs))
+        return joined
 
     def put(self, compiled) -> None:
         """Keep a grammar compiled elsewhere (a warm-up, a benchmark's own engine) under its constraint."""

@@ -16,6 +16,7 @@ from typing import Sequence
 from neuron_constrain.decoding import CachedDecoder, cached_loop, recompute_loop, transform_decoder
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured.keywords import post_validate
+from neuron_constrain.structured.reasoning import Reasoning
 from neuron_constrain.structured.runtime import StructuredRuntime
 from neuron_constrain.structured.tokenizers import TokenizerLike
 from neuron_constrain.transform import Transformed
@@ -28,7 +29,7 @@ class Generation:
     request_id: int
     prompt: list[int]
     tokens: list[int]  # generated, the stop token included when it came
-    text: str  # tokenizer.decode(tokens): the generated text, control/stop tokens dropped
+    text: str  # tokenizer.decode(tokens): the generated text (with ``reasoning``: the answer), control/stop tokens dropped
     finish_reason: str  # "stop" | "length" | "error" (its grammar failed to compile, or timed out)
     error: str | None = None  # why, for "error"
     unenforced: list[str] = dataclasses.field(default_factory=list)  # "keyword at #/path" not enforced (opt-in)
@@ -37,6 +38,8 @@ class Generation:
     forward_passes: int = 0  # model steps it took part in (its prefill included)
     forced_tokens: int = 0  # tokens its grammar forced, accepted as drafts of a verify step (jump-forward)
     forced_seconds: float = 0.0  # host time finding its forced runs
+    reasoning: str | None = None  # with ``reasoning=``: the thought's text (without its end marker), as vLLM's
+    # ``reasoning_content``; ``text`` is then the answer after it (empty when the thought never ended)
 
 
 @dataclasses.dataclass
@@ -182,6 +185,7 @@ def generate(
     jump_forward: str | None = None,
     temperature: float | None = None,
     seed: int = 0,
+    reasoning: Reasoning | None = None,
 ) -> GenerateResult:
     """Greedy (or sampled: ``temperature``) decoding of a batch with per-request constraints.
 
@@ -217,6 +221,11 @@ def generate(
     ``temperature``: sample instead of the greedy argmax (a decoder exported with
     ``sampled=True``); ``seed`` fixes the noise per request and output position, so the
     same call gives the same tokens, with or without jump-forward.
+    ``reasoning``: every request thinks before it answers (:class:`Reasoning`: the thought's
+    markers, a budget, a grammar for the thought): its thought is free (or the thought
+    grammar's), a spent budget forces the end marker (a one-token mask row: jump-forward
+    takes it as a forced run), the constraint holds from the token after the end marker;
+    ``Generation.reasoning`` is the thought's text and ``text`` the answer's.
     """
     if len(prompts) != len(constraints):
         raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints; pass one constraint (or None) per prompt")
@@ -239,11 +248,12 @@ def generate(
                          f"requests at once{' of ' + str(max(model.steps)) + ' rows each' if jump_forward else ''}; "
                          f"build it with max_rows={rows}")
     sequences = [list(tokenizer.encode(p)) if isinstance(p, (str, bytes)) else [int(t) for t in p] for p in prompts]
+    thinking = reasoning.thinking(tokenizer) if reasoning is not None else None
     calls = _Calls(runtime, sequences, max_new_tokens, jump_forward)
     added = []
     try:
-        for request_id, constraint in zip(calls.ids, constraints):
-            runtime.add(request_id, constraint, timeout=compile_timeout)
+        for request_id, constraint, sequence in zip(calls.ids, constraints, sequences):
+            runtime.add(request_id, constraint, timeout=compile_timeout, reasoning=reasoning, prompt=sequence)
             added.append(request_id)
         if cached:
             cached_loop(model, calls, max_new_tokens, jump_forward, temperature=temperature, seed=seed)
@@ -261,8 +271,12 @@ def generate(
         stopped = bool(tokens) and tokens[-1] in runtime.stop_token_ids
         prompt = sequences[index][: len(sequences[index]) - len(tokens)]
         reason = "error" if index in calls.errors else "stop" if stopped else "length"
-        text = tokenizer.decode(tokens[:-1] if stopped else tokens)
-        generation = Generation(index, prompt, tokens, text, reason, calls.errors.get(index))
+        body, thought = tokens[:-1] if stopped else tokens, None
+        if reasoning is not None:
+            thought, body = reasoning.divide(thinking, prompt, body)
+            thought = None if thought is None else tokenizer.decode(thought)
+        text = tokenizer.decode(body)
+        generation = Generation(index, prompt, tokens, text, reason, calls.errors.get(index), reasoning=thought)
         if index in calls.started:
             generation.seconds = calls.ended[index] - calls.started[index]
         generation.forward_passes, generation.forced_tokens = calls.passes[index], calls.forced[index]

@@ -37,10 +37,17 @@ class RequestState:
     reported: bool = False  # its failure was returned by an accept_rows() already
     unenforced: tuple = ()  # keywords.Unenforced the engine accepted but does not enforce (opt-in)
     forced_seconds: float = 0.0  # host time finding its jump-forward runs
+    reasoning: object | None = None  # a reasoning request: (answer matcher, thought matcher) -> its matcher
 
     @property
     def pending(self) -> bool:
         return self.job is not None
+
+    def describe(self) -> str:
+        """What the request is constrained by, for its errors."""
+        if self.constraint is not None:
+            return self.constraint.describe() + (" after its thought" if self.reasoning is not None else "")
+        return "a thought, then an unconstrained answer"
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,7 +107,7 @@ def _laid_out(key: tuple, states, drafts: Mapping, rows_per_request: int | None,
         if end > max_rows:
             raise _too_many_rows(key, drafts, max_rows, rows_per_request)
         padding = range(row + 1 + len(draft), end)
-        if state.constraint is None:  # unconstrained (finished or not): -1
+        if state.constraint is None and state.matcher is None:  # unconstrained (finished or not): -1
             layout.free_rows.extend(range(row, end))
             layout.others.append(position)
         elif state.finished:  # a stop token accepted, or failed

@@ -31,6 +31,7 @@ class Requests:
         self.timeout = timeout  # the default compile time limit
         self.states: dict[Hashable, RequestState] = {}
         self.pending = 0  # requests still compiling
+        self.reasoning = 0  # requests that think first (their matchers are not an engine's: no batch calls)
         self.version = 0
         self._unreported: set = set()  # failed requests not yet returned by unreported()
 
@@ -40,22 +41,31 @@ class Requests:
             raise BatchLayoutError(f"request {request_id!r} is not in the runtime; add() it before scheduling it")
         return state
 
-    def add(self, request_id: Hashable, constraint: Constraint | None, timeout: float) -> None:
+    def add(self, request_id: Hashable, constraint: Constraint | None, timeout: float, *,
+            reasoning=None, thought: Constraint | None = None) -> None:
+        """``reasoning``: ``(answer matcher, thought matcher) -> the request's matcher`` for a request that
+        thinks first (``reasoning.py``), its thought constrained by ``thought`` (or free)."""
         if request_id in self.states:
             raise BatchLayoutError(f"request {request_id!r} is already in the runtime; remove it first or use a new id")
-        state = RequestState(constraint, added=time.perf_counter(), timeout=timeout)
+        state = RequestState(constraint, added=time.perf_counter(), timeout=timeout, reasoning=reasoning)
         self.states[request_id] = state
         self.version += 1
-        if constraint is None:
+        self.reasoning += reasoning is not None
+        if reasoning is not None and constraint is None and thought is None:
+            state.matcher = reasoning(None, None)  # nothing to compile: a free thought, an unconstrained answer
+            return
+        if constraint is None and thought is None:
             return
         try:  # the limits first: nothing else reads a constraint past them (its cache key would recurse on depth)
-            check_limits(constraint, self.engine.limits)
-            # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
-            self.engine.parse(constraint)
+            for each in (constraint, thought):
+                if each is not None:
+                    check_limits(each, self.engine.limits)
+                    # an engine whose parser needs no vocabulary finds a malformed grammar now; the others' compile does
+                    self.engine.parse(each)
         except ConstraintError as error:
             self.fail(request_id, state, GrammarFailedError(f"request {request_id!r}: {error}", request_id))
             return
-        state.job = self.compiled.get(constraint)
+        state.job = self.compiled.get(constraint) if reasoning is None else self.compiled.get_all([constraint, thought])
         self.pending += 1
         self.resolve(request_id, state)
 
@@ -65,6 +75,7 @@ class Requests:
             raise BatchLayoutError(f"request {request_id!r} is not in the runtime (never added, or removed already)")
         if state.job is not None:
             self.pending -= 1
+        self.reasoning -= state.reasoning is not None
         self._unreported.discard(request_id)
         self.version += 1
 
@@ -77,13 +88,18 @@ class Requests:
             self._settle(state)
             try:
                 compiled = job.future.result()
-                state.matcher = self.engine.matcher(compiled)
-                state.unenforced = tuple(compiled.unenforced)
+                if state.reasoning is None:
+                    state.matcher = self.engine.matcher(compiled)
+                else:  # the answer's and the thought's grammars (either may be None), behind the request's matcher
+                    answer, thought = (None if c is None else self.engine.matcher(c) for c in compiled)
+                    state.matcher = state.reasoning(answer, thought)
+                    compiled = compiled[0]
+                state.unenforced = tuple(compiled.unenforced) if compiled is not None else ()
             except ConstraintError as error:
                 self.fail(request_id, state, GrammarFailedError(f"request {request_id!r}: {error}", request_id))
             except Exception as error:  # noqa: BLE001 - the engine's own failure, one clean line
                 self.fail(request_id, state, GrammarFailedError(
-                    f"request {request_id!r}: its {state.constraint.describe()} constraint failed to compile "
+                    f"request {request_id!r}: its {state.describe()} constraint failed to compile "
                     f"({engine_message(error)}); fix it and resubmit", request_id,
                 ))
             return state.error is None
@@ -92,7 +108,7 @@ class Requests:
             self._settle(state)
             queued = max(0.0, job.started - state.added)
             self.fail(request_id, state, GrammarFailedError(
-                f"request {request_id!r}: its {state.constraint.describe()} constraint did not compile within "
+                f"request {request_id!r}: its {state.describe()} constraint did not compile within "
                 f"{state.timeout:g} s of its compilation starting (its time limit: compile_seconds, or the request's "
                 f"timeout; it waited {queued:.2f} s in the compile queue before that); simplify the schema (fewer "
                 "bounded strings/alternatives), resubmit with a longer timeout, or send it without a constraint",

@@ -77,6 +77,7 @@ from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact
 from neuron_constrain.structured.limits import DEFAULT as DEFAULT_LIMITS, LimitError, Limits
 from neuron_constrain.structured.layout import Layout, lay_out
 from neuron_constrain.structured.mask_buffer import MaskBuffer
+from neuron_constrain.structured.reasoning import Reasoning, ReasoningMatcher
 from neuron_constrain.structured.requests import Requests
 from neuron_constrain.structured.tokenizers import VocabularyInfo, with_info
 from neuron_constrain.transform import Transformed
@@ -256,10 +257,21 @@ class StructuredRuntime:
         return runtime
 
     # -------------------------------------------------------------- requests join / leave (requests.py)
-    def add(self, request_id: Hashable, constraint: Constraint | None = None, *, timeout: float | None = None) -> None:
+    def add(self, request_id: Hashable, constraint: Constraint | None = None, *, timeout: float | None = None,
+            reasoning: Reasoning | None = None, prompt: Sequence[int] = ()) -> None:
         """Admit a request; returns at once. Its grammar compiles in the background (or
         comes from the cache) within ``timeout`` seconds of compiling (default
-        ``compile_timeout``). A malformed constraint fails the request (``error()``)."""
+        ``compile_timeout``). A malformed constraint fails the request (``error()``).
+        ``reasoning``: the request thinks first (``reasoning.py``: the grammar starts after its
+        thought, a budget forces the end marker); ``prompt``: its prompt's tokens, which may open
+        (and count toward) or close the thought."""
+        thinks = reasoning is not None and not reasoning.grammar_in_thought
+        if thinks and not self.enabled and (reasoning.budget is not None or reasoning.thought is not None):
+            raise StructuredOutputsDisabledError(
+                f"request {request_id!r} has a thinking budget or a thought grammar, which the mask enforces, but "
+                "the model was transformed without a logit_mask input; transform it with "
+                "enable_structured_outputs=True (transform_decoder) or logit_mask='packed'"
+            )
         if constraint is not None and not self.enabled:
             raise StructuredOutputsDisabledError(
                 f"request {request_id!r} asks for a {constraint.describe()} constraint, but structured outputs are "
@@ -267,7 +279,21 @@ class StructuredRuntime:
                 "constrained. Transform it with enable_structured_outputs=True (transform_decoder) or "
                 "logit_mask='packed' (transform) and restart, or send the request without a constraint"
             )
-        self.requests.add(request_id, constraint, self.compile_timeout if timeout is None else _seconds("timeout", timeout))
+        timeout = self.compile_timeout if timeout is None else _seconds("timeout", timeout)
+        if not thinks:
+            self.requests.add(request_id, constraint, timeout)
+            return
+        thinking, budget, prompt = reasoning.thinking(self.tokenizer), reasoning.budget, list(prompt)
+        bad = [t for t in thinking.start + thinking.end if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Reasoning markers {list(thinking.start)} / {list(thinking.end)}: ids {bad} are outside "
+                             f"the tokenizer's {self.vocab_size} tokens")
+
+        def matcher(answer, thought):
+            return ReasoningMatcher(thinking, budget, prompt, answer=answer, thought=thought,
+                                    stop_ids=self.stop_token_ids, width=self.width)
+
+        self.requests.add(request_id, constraint, timeout, reasoning=matcher, thought=reasoning.thought)
 
     def remove(self, request_id: Hashable) -> None:
         self.requests.remove(request_id)
@@ -335,6 +361,19 @@ class StructuredRuntime:
     def _fill(self, matchers: list, rows: list[int]) -> list[tuple[int, BaseException]]:
         buffer = self.mask.buffer
         start = time.perf_counter()
+        if self.requests.reasoning and len(matchers) > 1:  # reasoning requests' matchers fill themselves
+            own = [i for i, m in enumerate(matchers) if type(m) is ReasoningMatcher]
+            if own:
+                rest = [i for i in range(len(matchers)) if type(matchers[i]) is not ReasoningMatcher]
+                own_matchers, own_rows = [matchers[i] for i in own], [rows[i] for i in own]
+                found = fill_each(own_matchers, buffer, own_rows)
+                if time.perf_counter() - start > self.fill_budget:  # some row may be over its budget: time each once
+                    found += slow_rows(own_matchers, buffer, own_rows, self.limits, {k for k, _ in found})
+                failures = [(own[k], e) for k, e in found]
+                if rest:
+                    found = self._fill([matchers[i] for i in rest], [rows[i] for i in rest])
+                    failures += [(rest[k], e) for k, e in found]
+                return sorted(failures, key=lambda failure: failure[0])
         if len(matchers) == 1:  # the matcher directly
             try:
                 matchers[0].fill_next_token_bitmask(buffer, rows[0])
@@ -448,8 +487,7 @@ class StructuredRuntime:
                 continue
             start = time.perf_counter()
             try:
-                run = (exact_run(state.matcher, cap, self._scratch) if mode == "exact"
-                       else canonical_run(self.engine, state.matcher, cap, self._scratch))
+                run = self._forced_run(state.matcher, cap, mode)
             except Exception as error:  # noqa: BLE001 - that request's own failure
                 self.requests.fail(request_id, state, GrammarFillError(
                     f"request {request_id!r}: finding its forced tokens failed ({engine_message(error)})", request_id))
@@ -458,6 +496,17 @@ class StructuredRuntime:
             if run:
                 runs[request_id] = run
         return runs
+
+    def _forced_run(self, matcher, cap: int, mode: str) -> list[int]:
+        """A matcher's forced run: a reasoning request's through its own matcher (the budget's end
+        tokens, then what the answer's grammar forces), canonical text only from its answer's grammar."""
+        if mode == "exact":
+            return exact_run(matcher, cap, self._scratch)
+        if type(matcher) is ReasoningMatcher:
+            if matcher.inner is None:
+                return exact_run(matcher, cap, self._scratch)
+            return canonical_run(self.engine, matcher.inner, cap, self._scratch)
+        return canonical_run(self.engine, matcher, cap, self._scratch)
 
     def forced_seconds(self, request_id: Hashable) -> float:
         """Host seconds spent finding this request's forced runs."""

@@ -4,6 +4,14 @@ the real Mistral 7B v0.1 sentencepiece tokenizer (shipped in ``mistral_common``)
 ``save_pretrained`` — nothing is downloaded.
 
     python -m neuron_constrain.testing.tiny_checkpoint build/tiny-llama   # prints the directory
+    python -m neuron_constrain.testing.tiny_checkpoint build/tiny-think --reasoning
+
+``reasoning=True`` makes a reasoning model's checkpoint: ``<think>`` and ``</think>`` added as
+single tokens (ids 32002, 32003; what vLLM's ``deepseek_r1`` reasoning parser reads), kept in
+the decoded text as DeepSeek-R1's and Qwen3's tokenizers keep theirs (added, not skipped as
+special: the parser splits the text at ``</think>``), and a chat template whose assistant
+turn opens the thought (``...assistant\n<think>``), as DeepSeek-R1's does: the model writes
+its thought, ``</think>``, then its answer.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ CONFIG = dict(
     eos_token_id=2,
 )
 STAMP = "neuron_constrain_tiny_model.json"
+THINK_TOKENS = ["<think>", "</think>"]  # the reasoning checkpoint's thought markers
 
 
 def tokenizer_file() -> str:
@@ -52,38 +61,64 @@ def tokenizer_file() -> str:
     return str(path)
 
 
-def build(directory: str | os.PathLike, *, seed: int = 0) -> str:
-    """Write the model and tokenizer into ``directory`` unless already there; return it."""
+def add_think_tokens(tokenizer) -> list[int]:
+    """Add ``<think>`` and ``</think>`` to a Hugging Face tokenizer as single tokens kept in the
+    decoded text (added, not special: as DeepSeek-R1's and Qwen3's); returns their ids."""
+    from transformers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    return tokenizer.convert_tokens_to_ids(THINK_TOKENS)
+
+
+def tokenizer(*, reasoning: bool = False):
+    """The checkpoint's Hugging Face tokenizer (Mistral 7B v0.1's sentencepiece, ``<tool_call>`` /
+    ``</tool_call>``, with ``reasoning`` the thought markers and the template opening the thought)."""
+    import tempfile
+
+    from transformers import LlamaTokenizer
+
+    with tempfile.TemporaryDirectory() as staging:
+        # LlamaTokenizer(vocab_file=...) yields a 3-token vocabulary on transformers 5;
+        # from_pretrained on a folder holding tokenizer.model converts the real one.
+        shutil.copy(tokenizer_file(), pathlib.Path(staging) / "tokenizer.model")
+        hf = LlamaTokenizer.from_pretrained(staging)
+    # Hermes-style tool-call delimiters as single special tokens (vLLM's hermes parser reads them)
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    if reasoning:
+        add_think_tokens(hf)
+    size = CONFIG["vocab_size"] + (len(THINK_TOKENS) if reasoning else 0)
+    if len(hf) != size:
+        raise RuntimeError(f"the Mistral tokenizer loaded with {len(hf)} tokens, expected {size}")
+    hf.chat_template = CHAT_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>{% endif %}") \
+        if reasoning else CHAT_TEMPLATE
+    return hf
+
+
+def build(directory: str | os.PathLike, *, seed: int = 0, reasoning: bool = False) -> str:
+    """Write the model and tokenizer into ``directory`` unless already there; return it.
+    ``reasoning``: the thought markers and a chat template that opens the thought (above)."""
     out = pathlib.Path(directory)
+    config = dict(CONFIG, vocab_size=CONFIG["vocab_size"] + len(THINK_TOKENS)) if reasoning else CONFIG
     if (out / STAMP).exists():
+        stamp = json.loads((out / STAMP).read_text())
+        if stamp.get("vocab_size") != config["vocab_size"]:
+            raise RuntimeError(f"{out} holds a tiny checkpoint of {stamp.get('vocab_size')} tokens, not the "
+                               f"{config['vocab_size']} asked for (reasoning={reasoning}); use another folder")
         return str(out)
     import torch
-    from transformers import LlamaTokenizer
 
     from neuron_constrain.testing.decoders import tiny_decoder
 
     out.mkdir(parents=True, exist_ok=True)
-    staging = out / "_tokenizer_src"
-    staging.mkdir(exist_ok=True)
-    # LlamaTokenizer(vocab_file=...) yields a 3-token vocabulary on transformers 5;
-    # from_pretrained on a folder holding tokenizer.model converts the real one.
-    shutil.copy(tokenizer_file(), staging / "tokenizer.model")
-    tokenizer = LlamaTokenizer.from_pretrained(str(staging))
-    # Hermes-style tool-call delimiters as single special tokens (vLLM's hermes parser reads them)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    if len(tokenizer) != CONFIG["vocab_size"]:
-        raise RuntimeError(f"the Mistral tokenizer loaded with {len(tokenizer)} tokens, expected {CONFIG['vocab_size']}")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    shutil.rmtree(staging)
-
-    model = tiny_decoder("llama", seed=seed, **CONFIG)
+    tokenizer(reasoning=reasoning).save_pretrained(str(out))
+    model = tiny_decoder("llama", seed=seed, **config)
     with torch.no_grad():  # larger logits than the default init: fewer near-ties, more varied greedy text
         model.lm_head.weight.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
-    (out / STAMP).write_text(json.dumps({"seed": seed, **CONFIG}))
+    (out / STAMP).write_text(json.dumps({"seed": seed, **config}))
     return str(out)
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "build/tiny-llama"))
+    args = [a for a in sys.argv[1:] if a != "--reasoning"]
+    print(build(args[0] if args else "build/tiny-llama", reasoning="--reasoning" in sys.argv[1:]))

@@ -25,7 +25,8 @@ ALL_ALLOWED_ENV = "NEURON_CONSTRAIN_VLLM_ALL_ALLOWED_MASK"
 # steps, compilations, fill_seconds / head_seconds (host time per part of the step), ...
 METRICS_ENV = "NEURON_CONSTRAIN_VLLM_METRICS"
 
-# Fixed per-row widths of the head program's inputs (requests beyond them get HTTP 400).
+# Fixed per-row widths of the head program's inputs; a request beyond them runs its steps on the
+# bucket's wide program (head.py: every token a candidate, any number of biases and stop ids).
 MAX_STOP_TOKEN_IDS = 12  # min_tokens: a request's own stop_token_ids; the program's width adds the model's EOS ids
 MAX_BIAS_TOKENS = 32     # logit_bias entries per request
 MAX_TOP_K = 256          # sampling candidates (top_k <= this; top_p acts within them)

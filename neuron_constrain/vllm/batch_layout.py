@@ -1,21 +1,21 @@
 """Where each request's rows are in a step's head batch, and what a request's params give its rows.
 
-    layout = BatchLayout(requests, spec_decode_metadata)   # 1 + d_i rows per request with speculation
-    rows = request_rows(params, prompt_ids, stop_width)     # processors/rows.py writes them
+    layout = BatchLayout(requests, spec_decode_metadata)      # 1 + d_i rows per request with speculation
+    needs = request_needs(params, prompt_ids, head, thinking)  # its processor rows (processors/rows.py writes
+                                                               # them), its program (narrow or wide), its bans
 """
 from __future__ import annotations
 
-import logging
+import dataclasses
 
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
+from neuron_constrain.processor_interface import Thinking
 from neuron_constrain.processors.rows import RequestRows
-from neuron_constrain.vllm import MAX_BIAS_TOKENS
-from neuron_constrain.vllm.head import NO_TOKEN
-
-log = logging.getLogger("vllm.neuron_constrain")
+from neuron_constrain.vllm.head import NO_TOKEN, HeadPrograms
+from neuron_constrain.vllm.token_bans import TokenBans
 
 
 class BatchLayout:
@@ -67,18 +67,26 @@ def spread(logprobs: LogprobsTensors, layout: BatchLayout, width: int) -> Logpro
     return LogprobsTensors(ids, values, ranks)
 
 
-def request_rows(params, prompt_token_ids, stop_width: int, req_id: str = "?") -> RequestRows:
-    """What the head's processor inputs need from a request's ``SamplingParams`` (fixed per request).
+@dataclasses.dataclass(frozen=True)
+class RequestNeeds:
+    """What one request's ``SamplingParams`` ask of the head, fixed for the request: its processor
+    rows, whether it needs the wide program, and the tokens it bans through the mask."""
 
-    ``stop_width`` is the program's stop-id width, sized from the model (the validator's
-    limit on a request's own stop ids plus the model's EOS ids): every stop id fits.
-    """
+    rows: RequestRows
+    wide: bool
+    bans: TokenBans | None
+
+
+def request_needs(params, prompt_token_ids, head: HeadPrograms, thinking: Thinking | None) -> RequestNeeds:
+    """``params`` as the head reads them. ``thinking``: the server's thought markers (with
+    ``--reasoning-parser``), which a ``thinking_token_budget`` counts against (vLLM's frontend
+    refuses a budget without them)."""
     stops = sorted(params.all_stop_token_ids) if params.min_tokens else []
-    if len(stops) > stop_width:  # the validator and the sizing make this unreachable; never silent
-        log.error("neuron_constrain: request %s has %d stop ids with min_tokens, more than the program's "
-                  "%d: min_tokens masks only the first %d", req_id, len(stops), stop_width, stop_width)
-        stops = stops[:stop_width]
-    bias = dict(list(params.logit_bias.items())[:MAX_BIAS_TOKENS]) if params.logit_bias else None
-    return RequestRows(min_tokens=params.min_tokens, stop_ids=stops, logit_bias=bias, min_p=params.min_p,
+    bias = dict(params.logit_bias) if params.logit_bias else None
+    top_k = params.top_k if 0 < params.top_k < head.vocab_size else 0
+    rows = RequestRows(min_tokens=params.min_tokens, stop_ids=stops, logit_bias=bias, min_p=params.min_p,
                        penalties=(params.repetition_penalty, params.frequency_penalty, params.presence_penalty),
-                       prompt=prompt_token_ids or ())
+                       prompt=prompt_token_ids or (), thinking=thinking,
+                       thinking_budget=getattr(params, "thinking_token_budget", None))
+    wide = not head.fits(top_k=top_k, bias=len(bias or ()), stops=len(stops))
+    return RequestNeeds(rows, wide, TokenBans.of(params, head.vocab_size))

@@ -14,9 +14,6 @@ from neuron_constrain.vllm import SCHEDULER_CLS, VALIDATOR
 log = logging.getLogger("vllm.neuron_constrain")
 
 
-MAX_LOGPROBS_PROGRAM = 1024  # --max-logprobs above this (or -1, the whole vocabulary) is refused at start
-
-
 class ConfigError(Error, ValueError):
     """A configuration the plugin refuses at start."""
 
@@ -66,12 +63,6 @@ def check_config(vllm_config) -> None:
         raise ConfigError(
             f"--logprobs-mode {model.logprobs_mode}: the plugin computes vLLM's default raw_logprobs (the logprobs "
             "of the grammar-masked logits, before any processor) in its logprobs program; leave the default"
-        )
-    max_logprobs = getattr(model, "max_logprobs", 20)
-    if max_logprobs < 0 or max_logprobs > MAX_LOGPROBS_PROGRAM:
-        raise ConfigError(
-            f"--max-logprobs {max_logprobs}: the plugin's logprobs program returns a fixed number of top "
-            f"logprobs per row; use 0..{MAX_LOGPROBS_PROGRAM} (the OpenAI API allows 20)"
         )
 
 

@@ -12,13 +12,18 @@ speculative decoding one per draft position plus the bonus position) and runs
 ``neuron_constrain.transform`` then rewrites its exported program: the mask-logits pass
 adds ``logit_mask`` (packed int32, ``-1`` rows = all allowed) in front of every sampling
 site, so each draft position is masked with its own grammar row; the process-logits
-pass adds min_tokens, logit_bias and penalties after the mask and a per-row temperature
-+ min_p in front of the sampling sites. One program per batch bucket (static shapes, as
-on an accelerator); every input is fed every step, so any mix of constrained /
-unconstrained rows, sampling parameters and draft lengths runs the same program.
+pass adds min_tokens, logit_bias, penalties and the thinking budget after the mask and a
+per-row temperature + min_p in front of the sampling sites. One program per batch bucket
+(static shapes, as on an accelerator); every input is fed every step, so any mix of
+constrained / unconstrained rows, sampling parameters and draft lengths runs the same
+program. A request past the program's fixed widths (top_k above ``max_top_k``, more
+logit_bias entries or min_tokens stop ids than it holds) runs its steps on the bucket's
+*wide* program instead, built on first need: candidates, biases and stop ids over the
+whole vocabulary (a sort of each row's logits instead of a top-256: slower, rarely used).
 
 ``LogprobHead`` is the logprobs program: the same lm_head, the mask-logits pass only (no
-processors), then ``log_softmax``, the top ``k`` and the emitted token's logprob and rank.
+processors), then ``log_softmax``, the top ``k`` and the emitted token's logprob and rank,
+and the whole row of logprobs (what ``logprob_token_ids`` and ``logprobs=-1`` read).
 These are vLLM's default ``raw_logprobs``: vLLM applies the grammar bitmask to the
 logits in place before its sampler and computes logprobs before any processor, so they
 are the masked, unprocessed logits' logprobs. It runs only on steps where a request
@@ -39,7 +44,7 @@ __all__ = ["SamplingHead", "LogprobHead", "HeadPrograms", "HeadInputs", "PROCESS
 
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
-PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
+PROCESSORS = ["min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p"]
 TOP_P_OFF = 2.0  # top_p >= 1 means "off": a threshold the cumulative mass never reaches
 NO_TOKEN = -1    # a row whose token is not emitted (a draft position after a rejection); vLLM's placeholder
 
@@ -133,7 +138,7 @@ class LogprobHead(torch.nn.Module):
         top_logprobs, top_ids = logprobs.topk(self.k, dim=-1)
         token_logprob = logprobs.gather(-1, token.unsqueeze(-1))
         rank = (logprobs >= token_logprob).sum(-1)
-        return token_logprob.squeeze(-1), top_ids, top_logprobs, rank
+        return token_logprob.squeeze(-1), top_ids, top_logprobs, rank, logprobs
 
 
 def buckets_for(max_rows: int) -> list[int]:
@@ -170,7 +175,7 @@ class HeadInputs:
 
 class HeadPrograms:
     """One rewritten sampling program per bucket (and one logprobs program, when ``logprobs_k``),
-    built once; ``compilations`` counts builds."""
+    built once; ``compilations`` counts builds (``wide_compilations`` the wide programs')."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, vocab_size: int, buckets: list[int],
                  eos_token_id: int, max_stop_tokens: int, max_bias_tokens: int, max_penalty_tokens: int,
@@ -183,6 +188,7 @@ class HeadPrograms:
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
         self.head = SamplingHead(weight, bias, max_top_k=max_top_k)
+        self.wide_head = SamplingHead(weight, bias, max_top_k=vocab_size)
         self.logprob_head = LogprobHead(weight, bias, k=logprobs_k) if logprobs_k else None
         self.max_top_k = self.head.max_top_k
         self.logprobs_k = self.logprob_head.k if self.logprob_head is not None else 0
@@ -196,11 +202,16 @@ class HeadPrograms:
             max_stop_tokens=max_stop_tokens, max_bias_tokens=max_bias_tokens, max_penalty_tokens=max_penalty_tokens,
         )
         self.sizes = {"S": max_stop_tokens, "K": max_bias_tokens, "L": max_penalty_tokens}
+        # the wide programs' widths: every token a candidate, any number of biases and stop ids
+        self.wide_options = dict(self.options, max_stop_tokens=vocab_size, max_bias_tokens=vocab_size)
         self.programs: dict[int, object] = {}
+        self.wide_programs: dict[int, object] = {}
         self.logprob_programs: dict[int, object] = {}
         self.inputs: dict[int, HeadInputs] = {}
+        self.wide_inputs: dict[int, HeadInputs] = {}
         self.logprob_tokens: dict[int, torch.Tensor] = {}
         self.compilations = 0
+        self.wide_compilations = 0
         self.build_seconds = 0.0
         self.calls = {b: 0 for b in self.buckets}
         self.logprob_calls = {b: 0 for b in self.buckets}
@@ -211,13 +222,17 @@ class HeadPrograms:
                 return b
         raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
 
-    def _example(self, b: int):
+    def fits(self, *, top_k: int = 0, bias: int = 0, stops: int = 0) -> bool:
+        """Whether a request with these needs runs on the (narrow) program; else on the wide one."""
+        return top_k <= self.max_top_k and bias <= self.sizes["K"] and stops <= self.sizes["S"]
+
+    def _example(self, b: int, wide: bool = False):
         return (
             torch.zeros(b, self.hidden_size, dtype=self.dtype),
             torch.ones(b, self.vocab_size),
             torch.ones(b, dtype=torch.bool),
             torch.ones(b, dtype=torch.bool),
-            torch.full((b,), self.max_top_k, dtype=torch.int64),
+            torch.full((b,), self.vocab_size if wide else self.max_top_k, dtype=torch.int64),
             torch.full((b,), TOP_P_OFF),
             torch.ones(b, dtype=torch.bool),
             torch.full((b,), NO_TOKEN, dtype=torch.int64),
@@ -225,14 +240,18 @@ class HeadPrograms:
             torch.zeros(b),
         )
 
-    def build(self, b: int):
+    def build(self, b: int, wide: bool = False):
         import neuron_constrain as nc
 
         start = time.perf_counter()
-        program = nc.transform(self.head, self._example(b), **self.options)
-        self.programs[b] = program
-        self.compilations += 1
-        if self.logprob_head is not None:
+        program = nc.transform(self.wide_head if wide else self.head, self._example(b, wide),
+                               **(self.wide_options if wide else self.options))
+        (self.wide_programs if wide else self.programs)[b] = program
+        if wide:
+            self.wide_compilations += 1  # on first need, while serving (counted apart from the warm-up's)
+        else:
+            self.compilations += 1
+        if self.logprob_head is not None and b not in self.logprob_programs:
             self.logprob_programs[b] = nc.transform(
                 self.logprob_head, (self._example(b)[0], torch.zeros(b, dtype=torch.int64)),
                 logit_mask="packed", vocab_size=self.vocab_size, empty_row=self.eos_token_id,
@@ -246,13 +265,19 @@ class HeadPrograms:
             if info.name == "logit_mask":
                 continue
             processors[info.name] = torch.full(info.shape_for({}), info.fill, dtype=info.dtype)
-        self.inputs[b] = HeadInputs(
-            *self._example(b), processors=processors,
+        (self.wide_inputs if wide else self.inputs)[b] = HeadInputs(
+            *self._example(b, wide), processors=processors,
             logit_mask=torch.full((b, packed_width(self.vocab_size)), -1, dtype=torch.int32),
         )
-        log.info("neuron_constrain: built the head program(s) for bucket %d in %.2fs (compilations=%d)",
-                 b, seconds, self.compilations)
+        log.info("neuron_constrain: built the %shead program(s) for bucket %d in %.2fs (compilations=%d)",
+                 "wide " if wide else "", b, seconds, self.compilations)
         return program
+
+    def inputs_for(self, b: int, wide: bool = False) -> HeadInputs:
+        """The bucket's inputs (of its wide program when ``wide``: built now if it is not yet)."""
+        if wide and b not in self.wide_programs:
+            self.build(b, wide=True)
+        return self.wide_inputs[b] if wide else self.inputs[b]
 
     def warm_up(self):
         for b in self.buckets:
@@ -265,14 +290,16 @@ class HeadPrograms:
         self.calls = {b: 0 for b in self.buckets}
         self.logprob_calls = {b: 0 for b in self.buckets}
 
-    def run(self, b: int) -> torch.Tensor:
+    def run(self, b: int, wide: bool = False) -> torch.Tensor:
         """The bucket's sampling program on its inputs: the token per row (``NO_TOKEN`` where none)."""
-        args, kwargs = self.inputs[b].call_args()
+        args, kwargs = self.inputs_for(b, wide).call_args()
         self.calls[b] += 1
-        return self.programs[b](*args, **kwargs)
+        return (self.wide_programs if wide else self.programs)[b](*args, **kwargs)
 
-    def run_logprobs(self, b: int):
-        """The bucket's logprobs program for the tokens in ``logprob_tokens[b]`` (same hidden rows and mask)."""
-        inputs = self.inputs[b]
+    def run_logprobs(self, b: int, wide: bool = False, mask: torch.Tensor | None = None):
+        """The bucket's logprobs program for the tokens in ``logprob_tokens[b]``: the same hidden rows,
+        and the same mask unless ``mask`` (the grammar's alone, when the step's also bans tokens)."""
+        inputs = self.inputs_for(b, wide)
         self.logprob_calls[b] += 1
-        return self.logprob_programs[b](inputs.hidden, self.logprob_tokens[b], logit_mask=inputs.logit_mask)
+        return self.logprob_programs[b](inputs.hidden, self.logprob_tokens[b],
+                                        logit_mask=inputs.logit_mask if mask is None else mask)

@@ -20,11 +20,13 @@ engine-core process, where vLLM's grammars live:
   event for a stream, counted by vLLM's ``/metrics`` as
   ``vllm:request_success_total{finished_reason="error"}`` — never as a valid-looking answer.
   Structural tags (``tool_choice="auto"``: free text with tool calls inside) are not checked
-  here; their calls are parsed by vLLM's tool parser.
+  here; their calls are parsed by vLLM's tool parser. With ``--reasoning-parser`` the
+  grammar starts after the thought (vLLM's manager), so what is checked is the answer, the
+  tokens the grammar read; a request whose thought never ended has no answer to check.
 * **Bounded work per request.** Grammars compile on two lanes by size (``structured/lanes.py``,
   in place of vLLM's one grammar thread pool), so a flood of large constraints never queues
   in front of small ones; a request whose grammar passed its per-token fill budget
-  (``backend.py``) ends there, alone: with its stop token where its grammar may end
+  (``grammar_backend.py``) ends there, alone: with its stop token where its grammar may end
   (``budget_ended`` in the engine counters), else with the ``error`` finish reason after that
   step (``over_budget``).
 """
@@ -108,12 +110,12 @@ class NeuronConstrainScheduler(Scheduler):
                 self.library_backend.counts["budget_ended"] += 1
         if stopped and request.structured_output_request:
             if request.status == RequestStatus.FINISHED_STOPPED:
-                self._check_finished(request)
+                self._check_finished(request, new_token_ids)
             if self._counters_file is not None:  # the grammars compiled per engine, too
                 self._counters_file.notify()
         return new_token_ids, stopped
 
-    def _check_finished(self, request) -> None:
+    def _check_finished(self, request, new_token_ids) -> None:
         grammar = request.structured_output_request.grammar
         constraint = getattr(grammar, "nc_constraint", None)
         backend = self.library_backend
@@ -121,7 +123,11 @@ class NeuronConstrainScheduler(Scheduler):
             with self._counters_lock:
                 self.output_counters["unchecked_outputs"] += 1
             return
-        ids = list(request.output_token_ids)
+        ids = self._answer_ids(request, grammar, list(new_token_ids))
+        if ids is None:  # stopped inside its thought: the grammar never started (counted, not an answer)
+            with self._counters_lock:
+                self.output_counters["unchecked_outputs"] += 1
+            return
         params = getattr(request, "sampling_params", None)
         stops = set(getattr(params, "all_stop_token_ids", None) or ())
         if ids and ids[-1] in stops:  # the stop token that ended it (EOS or one of the request's own)
@@ -140,3 +146,18 @@ class NeuronConstrainScheduler(Scheduler):
                       constraint.describe(), getattr(grammar, "nc_engine", "?"), why, text[:200])
             request.status = RequestStatus.FINISHED_ERROR
 
+    def _answer_ids(self, request, grammar, new: list[int]) -> list[int] | None:
+        """The output tokens the grammar reads: those it took, then this step's ``new`` ones (vLLM's
+        manager accepts them after this check) from where it starts in them — all of them unless a
+        reasoning parser holds the grammar back until the thought ends. None: the thought never ended."""
+        ids = list(request.output_token_ids)
+        manager = self.structured_output_manager
+        if manager.reasoner_cls is None or manager.enable_in_reasoning:
+            return ids
+        before = ids[: len(ids) - len(new)]
+        taken = before[len(before) - grammar.num_processed_tokens:] if grammar.num_processed_tokens else []
+        # where the grammar starts in ``new``: the call the manager's accept_tokens makes next (vLLM 0.32)
+        start = manager._get_constraint_bounds(request, new, spec_tokens_committed=True).grammar_start
+        if not taken and start >= len(new) and request.structured_output_request.reasoning_ended is not True:
+            return None
+        return taken + new[start:]

@@ -1,6 +1,6 @@
 """Start vLLM's OpenAI server with (or without) the plugin, on SmolLM2-135M-Instruct by default.
 
-    python -m neuron_constrain.vllm.serve [--port 8000] [--model smollm2|tiny|DIR] [--stock]
+    python -m neuron_constrain.vllm.serve [--port 8000] [--model smollm2|tiny|tiny-think|DIR] [--stock]
                                           [--limit NAME=VALUE ...] [-- extra vLLM flags]
 
 Runs ``python -m vllm.entrypoints.openai.api_server`` in the foreground (``vllm serve``
@@ -10,7 +10,8 @@ checkpoint ``python -m neuron_constrain.models build`` makes (``make serve`` bui
 first) with this package's Hermes-style chat template (``smollm2_tools.jinja``: the
 model's ChatML plus ``tools`` and tool calls, so ``tool_choice="auto"``/``"required"``
 work with vLLM's ``hermes`` parser); ``--model tiny`` serves the embedded random-weight
-Llama (built on first use). With ``--tensor-parallel-size N > 1`` among the extra flags
+Llama (built on first use); ``--model tiny-think`` the same with ``<think>`` / ``</think>`` added and a
+template that opens the thought (serve it with ``-- --reasoning-parser deepseek_r1``). With ``--tensor-parallel-size N > 1`` among the extra flags
 the launcher splits this process's CPUs into N groups for
 ``VLLM_CPU_OMP_THREADS_BIND`` unless it is set (vLLM's automatic binding wants one NUMA
 node per rank). ``command()`` and ``environment()`` are what the tests and the
@@ -29,6 +30,7 @@ import sys
 from neuron_constrain.vllm import server_args
 
 TINY_DIR = "build/tiny-llama"
+TINY_THINK_DIR = "build/tiny-think"
 SMOLLM2_DIR = "build/smollm2"
 CHAT_TEMPLATE = pathlib.Path(__file__).with_name("smollm2_tools.jinja")
 # whitespace-free JSON for the tiny random model (it would otherwise pick whitespace forever); a
@@ -133,10 +135,11 @@ def resolve(model: str) -> dict:
     if model == "smollm2":
         return dict(model=smollm2_dir(), name="smollm2", chat_template=str(CHAT_TEMPLATE), max_model_len=2048,
                     structured_outputs=REAL_MODEL_STRUCTURED_OUTPUTS)
-    if model in ("tiny", TINY_DIR):
+    if model in ("tiny", TINY_DIR, "tiny-think", TINY_THINK_DIR):
         from neuron_constrain.testing.tiny_checkpoint import build
 
-        return dict(model=build(TINY_DIR), name="tiny")
+        reasoning = model in ("tiny-think", TINY_THINK_DIR)
+        return dict(model=build(TINY_THINK_DIR if reasoning else TINY_DIR, reasoning=reasoning), name="tiny")
     return dict(model=model, name=pathlib.Path(model).name, structured_outputs=REAL_MODEL_STRUCTURED_OUTPUTS,
                 max_model_len=2048)
 
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default, built by `python -m neuron_constrain.models build`), tiny (the "
-                             "embedded random-weight model) or a model folder")
+                             "embedded random-weight model), tiny-think (it with <think> / </think>) or a model folder")
     parser.add_argument("--stock", action="store_true", help="stock vLLM (plugin off), for comparison")
     parser.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                         help="a limit on what one request may cost (repeatable), e.g. enum_values=10000; names: "

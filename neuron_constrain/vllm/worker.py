@@ -1,8 +1,8 @@
 """vLLM v1 CPU worker and model runner whose every token comes from the rewritten head.
 
 ``--worker-cls neuron_constrain.vllm.worker.NeuronConstrainWorker`` (with
-``--logits-processors neuron_constrain.vllm.validate:RequestValidator``, which rejects
-what the head cannot do, per request, in the frontend).
+``--logits-processors neuron_constrain.vllm.validate:RequestValidator``, which applies the
+library's structured-outputs policy per request, in the frontend).
 
 Per step: vLLM's forward runs as usual; where ``execute_model`` calls the model's
 ``compute_logits`` the runner keeps the hidden rows instead (so the lm_head runs once,
@@ -11,10 +11,14 @@ compact grammar bitmask: the runner reorders it into batch rows (-1 rows for req
 without a constraint, and with speculative decoding one row per draft position at
 vLLM's speculative offsets, as ``vllm/v1/structured_output/utils.py`` does), fills the
 program's inputs from the persistent batch (temperature, top-k/p, penalties,
-min_tokens, logit_bias, min_p, per-request noise from seeded generators, the draft
-tokens to verify) and calls the bucket's program, which returns the tokens each row
-emits (drafts verified in the program). When a request in the batch asked for
-logprobs, the bucket's logprobs program runs on the same rows. vLLM's host-side
+min_tokens, logit_bias, the thinking budget, min_p, per-request noise from seeded
+generators, the draft tokens to verify), ANDs ``allowed_token_ids`` and ``bad_words``
+into the mask rows (``token_bans.py``) and calls the bucket's program (its wide program
+when a request needs more candidates, biases or stop ids than the program holds), which
+returns the tokens each row emits (drafts verified in the program). When a request in
+the batch asked for logprobs (or ``logprob_token_ids``), the bucket's logprobs program
+runs on the same rows (``logprobs.py``); prompt logprobs are vLLM's own (its runner calls
+the model's lm_head on the prompt rows after the step). vLLM's host-side
 ``apply_grammar_bitmask``, its ``Sampler`` and its ``RejectionSampler`` are not called
 for any token.
 
@@ -52,18 +56,20 @@ from neuron_constrain.vllm import (
 
 check_vllm_version()
 
-from vllm.v1.outputs import LogprobsTensors, SamplerOutput  # noqa: E402
+from vllm.v1.outputs import SamplerOutput  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
-from neuron_constrain.processors.rows import ProcessorInputs, RequestRows, write_rows  # noqa: E402
-from neuron_constrain.vllm.batch_layout import BatchLayout, request_rows, spread  # noqa: E402
+from neuron_constrain.processor_interface import Thinking  # noqa: E402
+from neuron_constrain.processors.rows import ProcessorInputs, write_rows  # noqa: E402
+from neuron_constrain.vllm.batch_layout import BatchLayout, RequestNeeds, request_needs, spread  # noqa: E402
 from neuron_constrain.vllm.config import (  # noqa: E402
     ConfigError, no_custom_logits_processors_with_speculation, check_config, model_eos_ids,
 )
 from neuron_constrain.vllm.counters import CountersFile  # noqa: E402
 from neuron_constrain.vllm.head import NO_TOKEN, TOP_P_OFF, HeadPrograms, buckets_for  # noqa: E402
 from neuron_constrain.vllm.lm_head import tensor_parallel_rank, find_lm_head, gather_vocab_shards, time_all_gathers  # noqa: E402
+from neuron_constrain.vllm.logprobs import logprobs_program_k, logprobs_tensors  # noqa: E402
 
 log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its handlers print it
 
@@ -81,13 +87,18 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self._nc_warm_compilations = None
         # fill_seconds: host time filling the program's inputs; head_seconds: running the sampling program;
         # logprob_seconds: running the logprobs program; draft_rows / drafts_accepted: speculative rows verified
+        # wide_steps: steps on a wide program; banned_rows: rows allowed_token_ids / bad_words narrowed
         self._nc_stats = {"steps": 0, "rows": 0, "constrained_rows": 0, "sampled_rows": 0, "draft_rows": 0,
-                          "drafts_accepted": 0, "logprob_steps": 0, "fill_seconds": 0.0, "head_seconds": 0.0,
-                          "logprob_seconds": 0.0}
-        self._nc_rows: dict[str, tuple[object, RequestRows]] = {}  # req_id -> (its SamplingParams, its rows)
-        self._nc_views: dict[int, dict[str, np.ndarray]] = {}
-        self._nc_dirty: dict[int, set[str]] = {}  # per bucket: processor groups whose rows are not neutral now
-        self._nc_processor_inputs: dict[int, ProcessorInputs] = {}
+                          "drafts_accepted": 0, "logprob_steps": 0, "wide_steps": 0, "banned_rows": 0,
+                          "fill_seconds": 0.0, "head_seconds": 0.0, "logprob_seconds": 0.0}
+        self._nc_rows: dict[str, tuple[object, RequestNeeds]] = {}  # req_id -> (its SamplingParams, its needs)
+        # per (bucket, wide): views of the program's inputs, what they hold, the groups whose rows are not neutral
+        self._nc_views: dict[tuple, dict[str, np.ndarray]] = {}
+        self._nc_dirty: dict[tuple, set[str]] = {}
+        self._nc_processor_inputs: dict[tuple, ProcessorInputs] = {}
+        reasoning = getattr(vllm_config, "reasoning_config", None)
+        self._nc_thinking = Thinking(reasoning.reasoning_start_token_ids, reasoning.reasoning_end_token_ids) \
+            if reasoning is not None and reasoning.enabled else None
         path = os.environ.get(METRICS_ENV) or None
         self._nc_rank = tensor_parallel_rank()
         if path and self._nc_rank:  # with tensor parallelism each rank writes its own file
@@ -114,7 +125,7 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             weight, bias, vocab_size=vocab, buckets=buckets_for(max_rows),
             eos_token_id=eos, max_stop_tokens=self._nc_stop_width, max_bias_tokens=MAX_BIAS_TOKENS,
             max_penalty_tokens=min(self.model_config.max_model_len, vocab), max_top_k=MAX_TOP_K,
-            logprobs_k=max(1, getattr(self.model_config, "max_logprobs", 20)),
+            logprobs_k=logprobs_program_k(getattr(self.model_config, "max_logprobs", 20)),
         )
         self.head.warm_up()
         self._nc_warm_compilations = self.head.compilations
@@ -171,26 +182,31 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         rows = layout.rows
         assert hidden.shape[0] == rows, (hidden.shape, rows)
         bucket = self.head.bucket(rows)
-        inputs = self.head.inputs[bucket]
-        views = self._views(bucket)
+        needs = [self._request_needs(req_id) for req_id in self.input_batch.req_ids[:layout.requests]]
+        wide = any(need.wide for need in needs)
+        inputs = self.head.inputs_for(bucket, wide)
+        views = self._views(bucket, wide)
         inputs.hidden[:rows].copy_(hidden)
         if rows < bucket:
             inputs.hidden[rows:].zero_()
         self._fill_mask(views["logit_mask"], layout)
-        self._fill_sampling(inputs, views, layout)
+        batch = self.input_batch
+        want_logprobs = batch.max_num_logprobs is not None or bool(batch.logprob_token_ids)
+        grammar_mask = self._ban_tokens(inputs.logit_mask, layout, needs, keep_grammar_mask=want_logprobs)
+        self._fill_sampling(inputs, views, layout, needs, wide)
         filled = time.perf_counter()
         with torch.inference_mode():
-            tokens = self.head.run(bucket)[:rows]
+            tokens = self.head.run(bucket, wide)[:rows]
         ran = time.perf_counter()
         stats = self._nc_stats
         stats["fill_seconds"] += filled - start
         stats["head_seconds"] += ran - filled
         stats["steps"] += 1
         stats["rows"] += rows
+        stats["wide_steps"] += wide
         logprobs = None
-        num_logprobs = self.input_batch.max_num_logprobs
-        if num_logprobs is not None:
-            logprobs = self._logprobs(bucket, tokens, num_logprobs)
+        if want_logprobs:
+            logprobs = self._logprobs(bucket, wide, tokens, layout, grammar_mask)
             stats["logprob_steps"] += 1
             stats["logprob_seconds"] += time.perf_counter() - ran
         if layout.draft is None:
@@ -207,32 +223,55 @@ class NeuronConstrainModelRunner(CPUModelRunner):
         self._notify_counters()
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
-    def _logprobs(self, bucket: int, tokens: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
-        """vLLM's LogprobsTensors for the emitted tokens: column 0 the token, then the ``num_logprobs`` best."""
+    def _logprobs(self, bucket: int, wide: bool, tokens: torch.Tensor, layout: BatchLayout, grammar_mask):
+        """vLLM's LogprobsTensors for the emitted tokens (``logprobs.py``), from the logprobs program
+        on the step's rows and the grammar's mask."""
         rows = tokens.shape[0]
         target = self.head.logprob_tokens[bucket]
         target[:rows] = tokens.clamp(min=0)  # a row that emits nothing: token 0, dropped by vLLM (as its own)
         target[rows:] = 0
         with torch.inference_mode():
-            token_logprob, top_ids, top_logprobs, rank = self.head.run_logprobs(bucket)
-        ids = torch.cat([target[:rows, None], top_ids[:rows, :num_logprobs]], dim=1).to(torch.int32)
-        values = torch.cat([token_logprob[:rows, None], top_logprobs[:rows, :num_logprobs]], dim=1)
-        return LogprobsTensors(ids, values, rank[:rows].clone())
+            outputs = self.head.run_logprobs(bucket, wide, grammar_mask)
+        batch = self.input_batch
+        index = batch.req_id_to_index
+        by_request = {index[r]: ids for r, ids in batch.logprob_token_ids.items() if index.get(r, rows) < layout.requests}
+        by_row = {int(r): by_request[int(i)] for r, i in enumerate(layout.req) if int(i) in by_request}
+        return logprobs_tensors(outputs, target[:rows], batch.max_num_logprobs, by_row)
 
-    def _views(self, bucket: int) -> dict[str, np.ndarray]:
+    def _views(self, bucket: int, wide: bool = False) -> dict[str, np.ndarray]:
         """numpy views sharing memory with the bucket's program inputs (cheap per-row writes)."""
-        views = self._nc_views.get(bucket)
+        key = (bucket, wide)
+        views = self._nc_views.get(key)
         if views is None:
-            inputs = self.head.inputs[bucket]
+            inputs = self.head.inputs_for(bucket, wide)
             views = {name: getattr(inputs, name).numpy()
                      for name in ("greedy", "full", "top_k", "top_p", "rank_noise", "logit_mask", "draft",
                                   "first_row", "uniform")}
             views.update({name: t.numpy() for name, t in inputs.processors.items()})
-            self._nc_views[bucket] = views
-            description = ProcessorInputs.from_report(self.head.programs[bucket].report["process_logits"])
-            self._nc_processor_inputs[bucket] = description
-            self._nc_dirty[bucket] = set(description.groups)  # reset on first use
+            self._nc_views[key] = views
+            program = (self.head.wide_programs if wide else self.head.programs)[bucket]
+            description = ProcessorInputs.from_report(program.report["process_logits"])
+            self._nc_processor_inputs[key] = description
+            self._nc_dirty[key] = set(description.groups)  # reset on first use
         return views
+
+    def _ban_tokens(self, mask: torch.Tensor, layout: BatchLayout, needs: list[RequestNeeds], *,
+                    keep_grammar_mask: bool) -> torch.Tensor | None:
+        """AND each row's allowed_token_ids / bad_words into its mask row; returns the grammar's mask
+        as it was (for the logprobs program, whose raw logprobs vLLM takes before these bans) when
+        ``keep_grammar_mask`` and some row changed, else None."""
+        rows = [r for r in range(layout.rows) if needs[layout.req[r]].bans is not None]
+        if not rows:
+            return None
+        kept = mask.clone() if keep_grammar_mask else None
+        words = mask.numpy()
+        outputs = self.input_batch.req_output_token_ids
+        for r in rows:
+            i = int(layout.req[r])
+            drafts = layout.drafts_of[i][: layout.pos[r]] if layout.drafts_of is not None else ()
+            needs[i].bans.apply(words[r], outputs[i], drafts)
+        self._nc_stats["banned_rows"] += len(rows)
+        return kept
 
     def _fill_mask(self, mask: np.ndarray, layout: BatchLayout) -> None:
         """The scheduler's compact bitmask (``1 + d_i`` rows per structured request, in its own
@@ -257,24 +296,25 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             mask[batch_rows] = grammar_output.grammar_bitmask[compact]
             self._nc_stats["constrained_rows"] += len(batch_rows)
 
-    def _request_rows(self, req_id: str) -> RequestRows:
-        """What a request's params give its processor rows, computed once per request."""
+    def _request_needs(self, req_id: str) -> RequestNeeds:
+        """What a request's params give its processor rows, program and mask rows, once per request."""
         params = self.requests[req_id].sampling_params
         cached = self._nc_rows.get(req_id)
         if cached is None or cached[0] is not params:
             if len(self._nc_rows) > 4 * self.scheduler_config.max_num_seqs + 16:
                 self._nc_rows = {k: v for k, v in self._nc_rows.items() if k in self.requests}
-            cached = self._nc_rows[req_id] = (params, request_rows(
-                params, self.requests[req_id].prompt_token_ids, self._nc_stop_width, req_id))
+            cached = self._nc_rows[req_id] = (params, request_needs(
+                params, self.requests[req_id].prompt_token_ids, self.head, self._nc_thinking))
         return cached[1]
 
-    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], layout: BatchLayout) -> None:
+    def _fill_sampling(self, inputs, views: dict[str, np.ndarray], layout: BatchLayout, needs: list[RequestNeeds],
+                       wide: bool) -> None:
         batch = self.input_batch
         rows, req, pos = layout.rows, layout.req, layout.pos
         n = layout.requests
         bucket = inputs.hidden.shape[0]
-        dirty = self._nc_dirty[bucket]
-        max_top_k = self.head.max_top_k
+        dirty = self._nc_dirty[(bucket, wide)]
+        max_top_k = self.head.vocab_size if wide else self.head.max_top_k
         temperature = batch.temperature_cpu[:n][req]
         greedy = temperature < _SAMPLING_EPS
         top_k = batch.top_k_cpu[:n][req]
@@ -332,8 +372,7 @@ class NeuronConstrainModelRunner(CPUModelRunner):
                 noise[int(r), int(layout.draft[r])] = float("inf")
         # per-request processors (rows computed once per request), then the sampler's temperature
         # (written after: the min_p group's reset covers the temperature input too)
-        req_ids = batch.req_ids[:n]
-        write_rows(views, self._nc_processor_inputs[bucket], [self._request_rows(i) for i in req_ids], req=req, pos=pos,
+        write_rows(views, self._nc_processor_inputs[(bucket, wide)], [need.rows for need in needs], req=req, pos=pos,
                    outputs=batch.req_output_token_ids[:n], dirty=dirty, drafts_of=layout.drafts_of)
         views["temperature"][:rows] = np.where(greedy, 1.0, temperature)
         views["temperature"][rows:] = 1.0
@@ -348,6 +387,7 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             **self._nc_stats,
             "compilations": self.head.compilations,
             "compilations_after_warmup": self.head.compilations - (self._nc_warm_compilations or 0),
+            "wide_compilations": self.head.wide_compilations,
             "buckets": self.head.buckets,
             "calls_per_bucket": {str(k): v for k, v in dict(self.head.calls).items()},
             "logprob_calls_per_bucket": {str(k): v for k, v in dict(self.head.logprob_calls).items()},

@@ -55,7 +55,9 @@ TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL
 def compiler():
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "build" / "tiny-llama"))
+    from neuron_constrain.testing.tiny_checkpoint import build
+
+    tokenizer = AutoTokenizer.from_pretrained(build(ROOT / "build" / "tiny-llama"))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
     return info, xgr.GrammarCompiler(info)
 

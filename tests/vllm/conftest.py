@@ -33,16 +33,19 @@ def free_port() -> int:
 
 class Server:
     """One vLLM OpenAI server on 127.0.0.1 (the plugin unless ``plugin=False``), on the tiny model
-    unless ``model="smollm2"``; ``extra``: more vLLM flags (the launcher's thread binding applies)."""
+    unless ``model="smollm2"`` (or ``"tiny-think"``: the tiny reasoning checkpoint, ``<think>`` /
+    ``</think>`` added); ``extra``: more vLLM flags (the launcher's thread binding applies).
+    ``wait=False``: return once started; ``wait()`` then (several servers start side by side)."""
 
     def __init__(self, name: str, *, plugin: bool = True, env: dict | None = None, tmp: pathlib.Path,
-                 extra: list[str] | None = None, max_num_seqs: int = 8, model: str = "tiny"):
+                 extra: list[str] | None = None, max_num_seqs: int = 8, model: str = "tiny", wait: bool = True):
         from neuron_constrain.vllm.serve import command, environment, resolve
         from neuron_constrain.testing.tiny_checkpoint import build
 
         self.port = free_port()
-        if model == "tiny":
-            spec = dict(model=build(ROOT / "build" / "tiny-llama"), name="tiny")
+        if model in ("tiny", "tiny-think"):
+            folder = "tiny-think" if model == "tiny-think" else "tiny-llama"
+            spec = dict(model=build(ROOT / "build" / folder, reasoning=model == "tiny-think"), name="tiny")
         else:
             spec = resolve(model)
         self.model = spec["model"]
@@ -56,9 +59,10 @@ class Server:
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=environment(vllm_args=extra or (), **extra_env),
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
-        self._wait()
+        if wait:
+            self.wait()
 
-    def _wait(self):
+    def wait(self):
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -167,7 +171,8 @@ def stock_server(server_dir):
 
 @pytest.fixture(scope="module")
 def start_server(server_dir):
-    """``start_server(name, plugin=True, env=None)`` -> a running :class:`Server`, stopped after the module."""
+    """``start_server(name, plugin=True, env=None)`` -> a running :class:`Server`, stopped after the module
+    (``wait=False``: started, not yet waited for; call its ``wait()``)."""
     servers = []
     tmp = server_dir
 

@@ -52,9 +52,9 @@ def test_check_config():
     with pytest.raises(ConfigError, match="raw_logprobs"):
         check_config(_config(model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR],
                                                                 logprobs_mode="processed_logprobs", max_logprobs=20)))
-    with pytest.raises(ConfigError, match="--max-logprobs -1"):
-        check_config(_config(model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR],
-                                                                logprobs_mode="raw_logprobs", max_logprobs=-1)))
+    # --max-logprobs -1 (the whole vocabulary) is served: the logprobs program returns whole rows too
+    check_config(_config(model_config=types.SimpleNamespace(logits_processors=[ncv.VALIDATOR],
+                                                            logprobs_mode="raw_logprobs", max_logprobs=-1)))
 
 
 def test_lm_head_not_found():
@@ -77,46 +77,55 @@ def test_lm_head_not_found():
         find_lm_head(Capped())
 
 
-def test_request_validation_names_the_parameter():
+def test_no_sampling_parameter_is_refused_by_the_validator():
+    """What the validator refused before issue 45 (HTTP 400 where stock vLLM answers) now passes
+    (the requests themselves are served in test_parity.py)."""
     from vllm import SamplingParams
-    from vllm.exceptions import VLLMValidationError
 
-    from neuron_constrain.vllm.validate import check_request
+    from neuron_constrain.vllm.validate import RequestValidator
 
-    check_request(SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.1, seed=3, n=2))
-    check_request(SamplingParams(logprobs=5))  # served by the logprobs program
-    check_request(SamplingParams(min_tokens=3, stop_token_ids=list(range(100, 100 + ncv.MAX_STOP_TOKEN_IDS))))
-    for params, name in [
-        (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
-        (SamplingParams(temperature=1.0, top_k=ncv.MAX_TOP_K + 1), "top_k"),
-        (SamplingParams(logit_bias={i: 1.0 for i in range(ncv.MAX_BIAS_TOKENS + 1)}), "logit_bias"),
-        (SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
-        (SamplingParams(min_tokens=3, stop_token_ids=list(range(100, 101 + ncv.MAX_STOP_TOKEN_IDS))), "stop_token_ids"),
+    for params in [
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.1, seed=3, n=2),
+        SamplingParams(prompt_logprobs=1), SamplingParams(logprobs=5, logprob_token_ids=[1, 2, 3, 4, 5]),
+        SamplingParams(temperature=1.0, top_k=ncv.MAX_TOP_K + 1),
+        SamplingParams(logit_bias={i: 1.0 for i in range(ncv.MAX_BIAS_TOKENS + 1)}),
+        SamplingParams(allowed_token_ids=[1, 2]), SamplingParams(bad_words=["a b", "c"]),
+        SamplingParams(thinking_token_budget=4),
+        SamplingParams(min_tokens=3, stop_token_ids=list(range(100, 101 + ncv.MAX_STOP_TOKEN_IDS))),
     ]:
-        with pytest.raises(VLLMValidationError) as info:
-            check_request(params)
-        assert info.value.parameter == name
-        if name == "stop_token_ids":  # the limit is named, with the fix
-            assert f"at most {ncv.MAX_STOP_TOKEN_IDS} stop_token_ids" in str(info.value)
+        RequestValidator.validate_params(params)
 
 
-def test_every_stop_id_reaches_the_program_with_many_eos_ids():
-    """A model with 6 EOS ids and a request with the most stop ids the validator admits: the
-    program's stop-id input is sized from the model, so min_tokens masks all 18 (none cut)."""
+def test_requests_past_the_program_widths_run_on_the_wide_program():
+    """A model with 6 EOS ids: a request within the widths (the most stop ids, biases, top_k the
+    program holds) runs on the narrow program with every stop id; one past any width on the wide one."""
     from vllm import SamplingParams
 
-    from neuron_constrain.vllm.batch_layout import request_rows
+    from neuron_constrain.vllm.batch_layout import request_needs
     from neuron_constrain.vllm.config import model_eos_ids
+    from neuron_constrain.vllm.head import HeadPrograms
 
     eos = [2, 3, 4, 5, 6, 7]
     model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(eos_token_id=2), skip_tokenizer_init=True,
                                          try_get_generation_config=lambda: {"eos_token_id": eos})
     assert model_eos_ids(model_config) == set(eos)
-    params = SamplingParams(min_tokens=5, stop_token_ids=list(range(1000, 1000 + ncv.MAX_STOP_TOKEN_IDS)))
-    params.update_from_generation_config({"eos_token_id": eos}, eos_token_id=2)  # what vLLM's frontend does
-    assert len(params.all_stop_token_ids) == ncv.MAX_STOP_TOKEN_IDS + len(eos)
-    rows = request_rows(params, [1, 5], ncv.MAX_STOP_TOKEN_IDS + len(model_eos_ids(model_config)))
-    assert sorted(rows.stops.tolist()) == sorted(params.all_stop_token_ids)
+    head = HeadPrograms(torch.zeros(2000, 8), None, vocab_size=2000, buckets=[1], eos_token_id=2,
+                        max_stop_tokens=ncv.MAX_STOP_TOKEN_IDS + len(eos), max_bias_tokens=ncv.MAX_BIAS_TOKENS,
+                        max_penalty_tokens=16, max_top_k=ncv.MAX_TOP_K)
+
+    def needs(**kwargs):
+        params = SamplingParams(**kwargs)
+        params.update_from_generation_config({"eos_token_id": eos}, eos_token_id=2)  # what vLLM's frontend does
+        return params, request_needs(params, [1, 5], head, None)
+
+    params, fits = needs(min_tokens=5, stop_token_ids=list(range(1000, 1000 + ncv.MAX_STOP_TOKEN_IDS)),
+                         logit_bias={i: 1.0 for i in range(ncv.MAX_BIAS_TOKENS)}, top_k=ncv.MAX_TOP_K)
+    assert not fits.wide and sorted(fits.rows.stops.tolist()) == sorted(params.all_stop_token_ids)
+    for kwargs in (dict(min_tokens=5, stop_token_ids=list(range(1000, 1001 + ncv.MAX_STOP_TOKEN_IDS))),
+                   dict(logit_bias={i: 1.0 for i in range(ncv.MAX_BIAS_TOKENS + 1)}), dict(top_k=ncv.MAX_TOP_K + 1)):
+        params, past = needs(**kwargs)
+        assert past.wide, kwargs
+    assert not needs(top_k=2000)[1].wide and not needs(top_k=-1)[1].wide  # top_k >= vocab or off: no cut
 
 
 def test_counters_thread_survives_any_write_error(tmp_path, caplog):

@@ -109,7 +109,8 @@ def test_logprobs_program_is_the_masked_log_softmax(head):
     tokens = torch.tensor([int(torch.nonzero(allowed[i])[i % 3]) for i in range(B)])
     programs.logprob_tokens[B].copy_(tokens)
     with torch.inference_mode():
-        token_logprob, top_ids, top_logprobs, rank = programs.run_logprobs(B)
+        token_logprob, top_ids, top_logprobs, rank, whole = programs.run_logprobs(B)
+    assert torch.allclose(whole, reference, atol=1e-5) and bool(whole[~allowed].isneginf().all())
     expected = reference.gather(-1, tokens[:, None]).squeeze(-1)
     assert torch.allclose(token_logprob, expected, atol=1e-5)
     best = reference.topk(programs.logprobs_k)
@@ -117,3 +118,54 @@ def test_logprobs_program_is_the_masked_log_softmax(head):
     assert torch.equal(rank, (reference >= expected[:, None]).sum(-1))
     assert bool((top_ids[:, 0] == reference.argmax(-1)).all())
     assert all(bool(allowed[i, top_ids[i]].all()) for i in range(B))  # masked tokens never among the top
+
+
+def test_wide_program_samples_past_the_narrow_candidates(head):
+    """top_k above the program's max_top_k runs on the wide program: a token ranked past the narrow
+    program's candidates (but within top_k) can win the race there, and only there."""
+    programs, _ = head
+    torch.manual_seed(5)
+    hidden = torch.randn(B, H)
+    allowed = torch.ones(B, V, dtype=torch.bool)
+    order = _masked_logits(head, hidden, allowed).argsort(-1, descending=True)
+    target = order[:, programs.max_top_k + 100]  # ranked past the narrow candidates
+    for wide, top_k, wins in ((False, programs.max_top_k, False), (True, programs.max_top_k + 200, True),
+                              (True, programs.max_top_k + 50, False)):
+        inputs = programs.inputs_for(B, wide)
+        inputs.hidden.copy_(hidden)
+        inputs.logit_mask.fill_(-1)
+        inputs.draft.fill_(NO_TOKEN)
+        inputs.first_row.copy_(torch.arange(B))
+        inputs.greedy.fill_(False)
+        inputs.full.fill_(False)
+        inputs.top_k.fill_(top_k)
+        inputs.rank_noise.fill_(False)  # noise by token id: the target's tiny noise makes it win where it may
+        inputs.noise.fill_(1e30)
+        inputs.noise[torch.arange(B), target] = 1e-30
+        with torch.inference_mode():
+            out = programs.run(B, wide)
+        assert (out == target).all().item() is wins, (wide, top_k)
+    assert programs.wide_programs and programs.fits(top_k=programs.max_top_k) and not programs.fits(top_k=V - 1)
+
+
+def test_thinking_budget_forces_the_end_token_on_every_path(head):
+    """Rows whose budget is spent emit the end token, greedy or sampled; where the grammar masked it
+    (the last row), the grammar wins."""
+    programs, _ = head
+    inputs = programs.inputs[B]
+    torch.manual_seed(6)
+    allowed = torch.rand(B, V) < 0.5
+    allowed[:, 17] = True
+    allowed[7, 17] = False
+    left = torch.tensor([0, 1, -3, 0, 0, 2, 0, 0], dtype=torch.int32)
+    end = torch.tensor([17, 17, 17, -1, 17, 17, 17, 17])
+    inputs.processors["thinking_budget_left"].copy_(left)
+    inputs.processors["thinking_end_id"].copy_(end)
+    try:
+        for greedy in (True, False):
+            out = _step(head, torch.randn(B, H), allowed, [-1] * B, list(range(B)), greedy=greedy)
+            forced = [(int(l) <= 0 and int(e) >= 0 and r != 7) for r, (l, e) in enumerate(zip(left, end))]
+            assert [o == 17 for o in out] == forced, (greedy, out)
+    finally:
+        inputs.processors["thinking_budget_left"].fill_(0)
+        inputs.processors["thinking_end_id"].fill_(-1)

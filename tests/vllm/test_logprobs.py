@@ -3,8 +3,6 @@
 constrained and unconstrained, chat and completions, mixed with requests that ask for none."""
 from __future__ import annotations
 
-import openai
-import pytest
 
 from checks import CHOICES, REGEX, SCHEMAS
 from traffic import MASKED, assert_logprobs_match, choices, logprob_rows
@@ -60,12 +58,3 @@ def test_sampled_logprobs_belong_to_the_emitted_token(plugin_server):
         assert value <= 0.0
         if token in top:  # the sampled token's logprob is the one in the top list
             assert abs(values[top.index(token)] - value) < 1e-6
-
-
-@pytest.mark.parametrize("kwargs, parameter", [
-    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
-])
-def test_still_refused(plugin_server, kwargs, parameter):
-    with pytest.raises(openai.BadRequestError) as info:
-        plugin_server.client().completions.create(model="tiny", prompt="Hi", max_tokens=2, **kwargs)
-    assert info.value.status_code == 400 and parameter in str(info.value)

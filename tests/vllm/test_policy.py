@@ -103,6 +103,7 @@ def test_last_line_of_defence_ends_an_invalid_answer_as_an_error():
         text=lambda ids: b"".join(pieces[i] for i in ids).decode(), counts={"xgrammar": 1})
     scheduler.output_counters = {"validated_outputs": 0, "invalid_outputs": 0, "unchecked_outputs": 0}
     scheduler.violations, scheduler._counters_lock, scheduler._counters_file = [], threading.Lock(), None
+    scheduler.structured_output_manager = types.SimpleNamespace(reasoner_cls=None, enable_in_reasoning=False)
     grammar = types.SimpleNamespace(nc_constraint=policy.from_vllm("json", json.dumps(CITY)), nc_engine="xgrammar")
 
     def request(ids):
@@ -110,9 +111,9 @@ def test_last_line_of_defence_ends_an_invalid_answer_as_an_error():
                                      structured_output_request=types.SimpleNamespace(grammar=grammar))
 
     good, bad = request([1, 4, 3, 0]), request([1, 2, 3, 0])
-    scheduler._check_finished(good)
+    scheduler._check_finished(good, [0])  # (the step's new tokens: the stop token)
     assert good.status == RequestStatus.FINISHED_STOPPED
-    scheduler._check_finished(bad)
+    scheduler._check_finished(bad, [0])
     assert bad.status == RequestStatus.FINISHED_ERROR
     snapshot = scheduler.snapshot()
     assert snapshot["validated_outputs"] == 2 and snapshot["invalid_outputs"] == 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import openai
 import pytest
 
 from checks import CHOICES, GRAMMAR, REGEX, SCHEMAS, TOOLS, check, check_tool_calls
@@ -179,23 +178,6 @@ def test_no_recompilation_under_mixed_load(server):
     assert after["constrained_rows"] > before["constrained_rows"] and after["sampled_rows"] > before["sampled_rows"]
     used = [b for b, n in after["calls_per_bucket"].items() if n > before["calls_per_bucket"][b]]
     assert len(used) >= 3, after["calls_per_bucket"]  # batch sizes varied across buckets, no new program
-
-
-@pytest.mark.parametrize("kwargs, parameter", [
-    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
-    (dict(temperature=1.0, extra_body={"top_k": 1000}), "top_k"),  # greedy would drop top_k
-    (dict(extra_body={"allowed_token_ids": [5, 6]}), "allowed_token_ids"),
-    (dict(extra_body={"min_tokens": 2, "stop_token_ids": list(range(100, 113))}), "stop_token_ids"),
-])
-def test_unservable_request_rejected_alone(server, kwargs, parameter):
-    client = server.client()
-    with pytest.raises(openai.BadRequestError) as info:
-        chat(client, max_tokens=4, **kwargs)
-    assert info.value.status_code == 400 and parameter in str(info.value)
-    # the engine is untouched: the next requests are served
-    assert server.alive()
-    choice = chat(client, max_tokens=8, extra_body={"structured_outputs": {"choice": CHOICES}})
-    check("choice", CHOICES, choice.message.content, choice.finish_reason)
 
 
 def test_grammar_never_rejected_a_token(server):
