@@ -2,6 +2,7 @@
 
     failure = over_budget(seconds, limits)                     # the LimitError("fill_ms") of one slow fill
     failures = slow_rows(matchers, buffer, rows, limits, skip)  # [(index, LimitError)]: each row timed once
+    failures = within_budget(fill, matchers, buffer, rows, limits)  # fill's failures, then slow_rows if it was slow
     may_end(buffer, row, stop_token_ids)                       # whether the row allows a stop token
 
 A fill cannot be stopped once started (xgrammar's runs in C++ on the calling thread), but
@@ -21,6 +22,16 @@ import time
 from typing import Sequence
 
 from neuron_constrain.structured.limits import LimitError, Limits
+
+
+def within_budget(fill, matchers: Sequence, buffer, rows: Sequence[int], limits: Limits) -> list:
+    """``fill(matchers, buffer, rows)``'s failures ``(index, error)``; where the whole fill took longer
+    than the budget by the clock, with the rows past it (``slow_rows``, each other row timed once)."""
+    start = time.perf_counter()
+    failures = fill(matchers, buffer, rows)
+    if time.perf_counter() - start > limits.fill_ms / 1e3:
+        failures += slow_rows(matchers, buffer, rows, limits, {index for index, _ in failures})
+    return failures
 
 
 def over_budget(seconds: float, limits: Limits) -> LimitError:

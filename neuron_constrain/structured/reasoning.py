@@ -51,8 +51,9 @@ class Reasoning:
             raise ValueError("Reasoning(grammar_in_thought=True) constrains the thought by the answer's grammar, which "
                              "never allows the end marker: pass no thought grammar and no budget with it")
 
-    def thinking(self, tokenizer) -> Thinking:
-        """The markers as token ids (a string is encoded by ``tokenizer``: it must be one or more tokens)."""
+    def thinking(self, tokenizer, vocab_size: int | None = None) -> Thinking:
+        """The markers as token ids (a string is encoded by ``tokenizer``: it must be one or more tokens),
+        each below ``vocab_size`` where given."""
         ids = []
         for name, marker in (("start", self.start), ("end", self.end)):
             if isinstance(marker, str) and not callable(getattr(tokenizer, "encode", None)):
@@ -61,6 +62,10 @@ class Reasoning:
             tokens = list(tokenizer.encode(marker)) if isinstance(marker, str) else [int(t) for t in marker]
             if not tokens:
                 raise ValueError(f"Reasoning({name}={marker!r}) encodes to no token; pass the marker's token ids")
+            bad = [t for t in tokens if vocab_size is not None and not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"Reasoning({name}={marker!r}): ids {bad} are outside the tokenizer's {vocab_size} "
+                                 "tokens")
             ids.append(tokens)
         return Thinking(*ids)
 

@@ -38,15 +38,14 @@ the default): one past ``compile_timeout`` (``limits.compile_seconds``) or
 ``limits.compile_memory_mb`` is killed and fails its request; a request with a shorter
 ``timeout`` fails at it while the compilation goes on to fill the cache.
 
-Fill: one constrained row calls its matcher directly; more rows go to the engine's batch
-fill, which runs ``fill_threads`` threads without the GIL from ``parallel_min_rows`` rows
-on (default: 1 thread on a host of <= 2 cores, whose other core the model's step wants;
-else up to 8). A fill thread past ``fill_timeout`` is abandoned and may still write its
-row: the runtime then moves to a fresh buffer, so no model ever reads a row a straggler
-writes. A fill on the calling thread cannot be stopped; every fill is timed instead: a request whose
-fill takes longer than ``limits.fill_ms`` for one token (an ambiguous grammar's work grows with
-its text) ends after that step (``fill_budget.py``: with a stop token where its grammar may
-end, ``budget_ended``; else failed), so the batch's other rows keep their step time.
+Fill: a few rows fill on this thread; from ``parallel_min_rows`` rows on, the engine's batch
+fill runs ``fill_threads`` threads without the GIL (default: 1 thread on a host of <= 2 cores,
+whose other core the model's step wants; else up to 8). A fill thread past ``fill_timeout`` is
+abandoned and may still write its row: the runtime then moves to a fresh buffer, so no model
+ever reads a row a straggler writes. A fill on the calling thread cannot be stopped; every fill
+is timed instead: a request whose fill takes longer than ``limits.fill_ms`` for one token (an
+ambiguous grammar's work grows with its text) ends after that step (``fill_budget.py``: with a
+stop token where its grammar may end, ``budget_ended``; else failed).
 """
 from __future__ import annotations
 
@@ -72,7 +71,7 @@ from neuron_constrain.structured.errors import (
     RequestFailedError,
     StructuredOutputsDisabledError,
 )
-from neuron_constrain.structured.fill_budget import may_end, slow_rows
+from neuron_constrain.structured.fill_budget import may_end, within_budget
 from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact_run
 from neuron_constrain.structured.limits import DEFAULT as DEFAULT_LIMITS, LimitError, Limits
 from neuron_constrain.structured.layout import Layout, lay_out
@@ -152,7 +151,6 @@ class StructuredRuntime:
         if compile_timeout is not None:
             self.limits = dataclasses.replace(self.limits, compile_seconds=_seconds("compile_timeout", compile_timeout))
         self.compile_timeout = self.limits.compile_seconds
-        self.fill_budget = self.limits.fill_ms / 1e3
         self.fill_timeout = _seconds("fill_timeout", fill_timeout)
         _count("compile_workers", compile_workers, 1)
         _count("cache_size", cache_size, 1)
@@ -283,11 +281,7 @@ class StructuredRuntime:
         if not thinks:
             self.requests.add(request_id, constraint, timeout)
             return
-        thinking, budget, prompt = reasoning.thinking(self.tokenizer), reasoning.budget, list(prompt)
-        bad = [t for t in thinking.start + thinking.end if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Reasoning markers {list(thinking.start)} / {list(thinking.end)}: ids {bad} are outside "
-                             f"the tokenizer's {self.vocab_size} tokens")
+        thinking, budget, prompt = reasoning.thinking(self.tokenizer, self.vocab_size), reasoning.budget, list(prompt)
 
         def matcher(answer, thought):
             return ReasoningMatcher(thinking, budget, prompt, answer=answer, thought=thought,
@@ -359,36 +353,22 @@ class StructuredRuntime:
         return self.mask.views[plan.rows]
 
     def _fill(self, matchers: list, rows: list[int]) -> list[tuple[int, BaseException]]:
-        buffer = self.mask.buffer
-        start = time.perf_counter()
+        buffer, own = self.mask.buffer, ()
         if self.requests.reasoning and len(matchers) > 1:  # reasoning requests' matchers fill themselves
             own = [i for i, m in enumerate(matchers) if type(m) is ReasoningMatcher]
-            if own:
-                rest = [i for i in range(len(matchers)) if type(matchers[i]) is not ReasoningMatcher]
-                own_matchers, own_rows = [matchers[i] for i in own], [rows[i] for i in own]
-                found = fill_each(own_matchers, buffer, own_rows)
-                if time.perf_counter() - start > self.fill_budget:  # some row may be over its budget: time each once
-                    found += slow_rows(own_matchers, buffer, own_rows, self.limits, {k for k, _ in found})
-                failures = [(own[k], e) for k, e in found]
-                if rest:
-                    found = self._fill([matchers[i] for i in rest], [rows[i] for i in rest])
-                    failures += [(rest[k], e) for k, e in found]
-                return sorted(failures, key=lambda failure: failure[0])
-        if len(matchers) == 1:  # the matcher directly
-            try:
-                matchers[0].fill_next_token_bitmask(buffer, rows[0])
-            except Exception as error:  # noqa: BLE001 - that request's own failure
-                return [(0, error)]
-            if time.perf_counter() - start <= self.fill_budget:
-                return []
-            return slow_rows(matchers, buffer, rows, self.limits)  # by the clock; in CPU time, really?
+        if not own:
+            return within_budget(self._fill_rows, matchers, buffer, rows, self.limits)
+        rest = [i for i in range(len(matchers)) if type(matchers[i]) is not ReasoningMatcher]
+        failures = [(own[k], e) for k, e in within_budget(fill_each, [matchers[i] for i in own], buffer,
+                                                          [rows[i] for i in own], self.limits)]
+        if rest:
+            failures += [(rest[k], e) for k, e in self._fill([matchers[i] for i in rest], [rows[i] for i in rest])]
+        return sorted(failures, key=lambda failure: failure[0])
+
+    def _fill_rows(self, matchers: list, buffer: torch.Tensor, rows: list[int]) -> list[tuple[int, BaseException]]:
         if len(matchers) < self.parallel_min_rows:  # a few rows: on this thread
-            failures = fill_each(matchers, buffer, rows)
-        else:
-            failures = self.engine.batch_fill(matchers, buffer, rows)  # fill_threads threads, GIL released
-        if time.perf_counter() - start > self.fill_budget:  # some row may be over its budget: time each once
-            failures += slow_rows(matchers, buffer, rows, self.limits, {index for index, _ in failures})
-        return failures
+            return fill_each(matchers, buffer, rows)
+        return self.engine.batch_fill(matchers, buffer, rows)  # fill_threads threads, GIL released
 
     def _fill_failed(self, plan: Layout, failures: list[tuple[int, BaseException]]) -> None:
         """Fail the requests whose fill raised or hung (a hung fill may still write: use a fresh buffer);

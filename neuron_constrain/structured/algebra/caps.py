@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+from neuron_constrain.errors import Error
 from neuron_constrain.structured.constraints import ConstraintError
 
 CAPS = {
@@ -31,7 +32,7 @@ class CapReached(ConstraintError):
         self.cap, self.count, self.keyword, self.path = cap, count, keyword, path
 
 
-class Over(Exception):
+class Over(Error):
     """A cap passed deep inside a rewrite; :func:`site` names where."""
 
     def __init__(self, cap: str, count: int):

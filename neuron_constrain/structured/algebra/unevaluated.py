@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import json
 
+from neuron_constrain.errors import Error
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra.caps import over, site
 from neuron_constrain.structured.algebra.conditionals import attach
@@ -37,7 +38,7 @@ APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "depende
 UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
 
 
-class Inexpressible(Exception):
+class Inexpressible(Error):
     """A case of the node has no positive form here."""
 
 

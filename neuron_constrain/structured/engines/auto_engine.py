@@ -28,7 +28,6 @@ from typing import Sequence
 
 import torch
 
-from neuron_constrain.structured import keywords
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine
 from neuron_constrain.structured.limits import LimitError
@@ -60,7 +59,7 @@ class AutoEngine(GrammarEngine):
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         strict = dataclasses.replace(constraint, unenforced="refuse") if constraint.kind == "json_schema" else constraint
-        if constraint.kind == "json_schema" and _narrowed_on_xgrammar(constraint.spec):
+        if constraint.kind == "json_schema" and self._narrowed_on_xgrammar(strict):
             try:  # an engine exact on the whole schema first
                 return self.llguidance.compile(strict)
             except (ConstraintError, ImportError, ValueError):
@@ -114,17 +113,17 @@ class AutoEngine(GrammarEngine):
     def forced_tokens(self, matcher) -> list[int]:
         return (self.llguidance if isinstance(matcher, LLGuidanceMatcher) else self.xgrammar).forced_tokens(matcher)
 
+    def _narrowed_on_xgrammar(self, constraint: Constraint) -> bool:
+        """Whether xgrammar's rewrites would type an untyped node of the schema (meaning narrowed there).
+        Its policy checks the limits first; a constraint past them is refused here, for every engine."""
+        try:
+            return bool(self.xgrammar.keyword_policy(constraint)[2])
+        except (LimitError, UnsatisfiableError):
+            raise
+        except ConstraintError:
+            return False  # xgrammar refuses it: its compile says why
+
     def close(self) -> None:
         self.xgrammar.close()
         if self._llguidance is not None:
             self._llguidance.close()
-
-
-def _narrowed_on_xgrammar(schema) -> bool:
-    """Whether xgrammar's rewrites would type an untyped node of ``schema`` (meaning narrowed there)."""
-    narrowed: list[str] = []
-    try:
-        keywords.prepare(schema, "xgrammar", narrowed)
-    except ConstraintError:
-        return False  # the compile reports it
-    return bool(narrowed)
