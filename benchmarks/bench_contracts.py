@@ -19,10 +19,10 @@ import time
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.checks import check_contract
+from neuron_constrain.core.checks import check_contract
 from neuron_constrain.models import export, load_model
-from neuron_constrain.pass_manager import PassManager
-from neuron_constrain.transform import PASSES
+from neuron_constrain.core.pass_manager import PassManager
+from neuron_constrain.core.transform import PASSES
 from timing import interleaved, median_ms, ratio, write_results
 
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]

@@ -28,7 +28,7 @@ import torch
 
 import neuron_constrain as nc
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
-from neuron_constrain.transform import strip_added_outputs
+from neuron_constrain.core.transform import strip_added_outputs
 from decode_steps import LLAMA3, SMALL, compiled, decoder, export_decode_step
 from grammar_states import grammar_masks, random_masks
 from timing import interleaved, median_ms, ratio, write_results

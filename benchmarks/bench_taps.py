@@ -22,7 +22,7 @@ import torch
 import neuron_constrain as nc
 from neuron_constrain.replacement import active_context
 from neuron_constrain.testing import CachedGreedyStep
-from neuron_constrain.transform import strip_added_outputs
+from neuron_constrain.core.transform import strip_added_outputs
 from decode_steps import SMALL, compiled, decoder
 from timing import interleaved, median_ms, ratio, write_results
 

@@ -29,7 +29,7 @@ import sys
 import time
 import warnings
 
-from neuron_constrain.errors import Error, InputError, TransformError
+from neuron_constrain.core.errors import Error, InputError, TransformError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -103,7 +103,7 @@ def load_program(path: str, progress: _Progress, debug: bool, allow_pickle: bool
 
 def _read_graph(path: str, progress: _Progress, debug: bool, allow_pickle: bool = False):
     """A canonical graph from a .pt2 or from a saved canonical text."""
-    from neuron_constrain.canonical import canonical_text, is_canonical_text, parse_canonical
+    from neuron_constrain.core.canonical import canonical_text, is_canonical_text, parse_canonical
 
     _check_readable(path)
     with open(path, "rb") as f:
@@ -121,7 +121,7 @@ def _read_graph(path: str, progress: _Progress, debug: bool, allow_pickle: bool 
 # ----------------------------------------------------------------------------- commands
 
 def _parse_passes(values: list[str] | None, taps: list[str] | None) -> list[str]:
-    from neuron_constrain.report import FORMER_NAMES
+    from neuron_constrain.core.report import FORMER_NAMES
 
     if values is None:
         return ["tap_modules", "mask_logits"] if taps else ["mask_logits"]
@@ -195,7 +195,7 @@ def _rewrite(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from neuron_constrain.canonical import canonical_text
+    from neuron_constrain.core.canonical import canonical_text
 
     program = load_program(args.input, _Progress(), args.debug, args.allow_pickle)
     sys.stdout.write(canonical_text(program))
@@ -203,7 +203,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from neuron_constrain.graph_diff import diff_graphs
+    from neuron_constrain.core.graph_diff import diff_graphs
 
     progress = _Progress()
     a = _read_graph(args.a, progress, args.debug, args.allow_pickle)
@@ -220,12 +220,12 @@ def _check(args: argparse.Namespace) -> int:
         raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary size must be positive")
     if args.expect and not args.update:
         _check_readable(args.expect)
-    from neuron_constrain.canonical import canonical_text, parse_canonical
-    from neuron_constrain.graph_diff import diff_graphs
+    from neuron_constrain.core.canonical import canonical_text, parse_canonical
+    from neuron_constrain.core.graph_diff import diff_graphs
 
     progress = _Progress()
     program = load_program(args.input, progress, args.debug, args.allow_pickle)
-    from neuron_constrain.checks import CheckError, check_program
+    from neuron_constrain.core.checks import CheckError, check_program
 
     with progress.step("checking"):
         try:
@@ -285,7 +285,7 @@ def _hlo(args: argparse.Namespace) -> int:
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(lowering.text)
     print(f"{args.input} -> {args.output}: {len(lowering.parameters)} parameters")
-    from neuron_constrain.program import user_input_names
+    from neuron_constrain.core.program import user_input_names
 
     inputs = set(user_input_names(program))
     for parameter in lowering.parameters:  # the program's inputs; the rest are weights and scalars

@@ -1,5 +1,5 @@
 """Graph rewrites, one per file: ``<name>_pass.py`` defines ``<name>_pass``, whose
-:class:`~neuron_constrain.contract.PassContract` (``fn.contract``) declares that one
+:class:`~neuron_constrain.core.contract.PassContract` (``fn.contract``) declares that one
 name (the report key too), its options, what it requires and ensures, and the passes
 it runs after. Each is ``program -> PassResult(program, report, programs)``; the split
 cuts one program into two (``PassResult(body, SplitReport, {"head": head})``).

@@ -11,7 +11,7 @@ Before (greedy step)                      After (mask_format="packed", V=1000, l
                                               empty = all(eq(bitwise_and(logit_mask, valid_words), 0), -1)
                                               return (tok, empty)                 # empty_row="flag"
 
-Where the mask goes is decided by :func:`neuron_constrain.sites.plan_mask_points`:
+Where the mask goes is decided by :func:`neuron_constrain.core.sites.plan_mask_points`:
 before temperature / top-k / top-p on sampling paths; on the logits output itself
 when the graph has no sampler (a bare ``*ForCausalLM``), so host-side sampling sees
 masked logits too. The mask's leading dims are those of the masked logits (batch,
@@ -46,21 +46,21 @@ Options
 
 Requires ``unmasked`` (no mask input yet); ensures ``every_site_masked`` (every
 sampling site reads logits that depend on a mask input of a width that fits: the
-checks' :func:`~neuron_constrain.checks.check_program`).
+checks' :func:`~neuron_constrain.core.checks.check_program`).
 
 Reports the sites (node, kind, module), the mask points, the input (and output)
 added and the number of nodes inserted. A second application raises. The names of
-what it adds are :mod:`neuron_constrain.mask_interface`'s.
+what it adds are :mod:`neuron_constrain.core.mask_interface`'s.
 """
 from __future__ import annotations
 
 import torch
 from torch.export import ExportedProgram
 
-from neuron_constrain.contract import PassContract, PassResult, declares
-from neuron_constrain.errors import TransformError
+from neuron_constrain.core.contract import PassContract, PassResult, declares
+from neuron_constrain.core.errors import TransformError
 from neuron_constrain.kernels import apply_bitmask, empty_rows, packed_width
-from neuron_constrain.mask_interface import (
+from neuron_constrain.core.mask_interface import (
     MASK_INPUT,
     RANK_INPUT,
     check_empty_row,
@@ -68,9 +68,9 @@ from neuron_constrain.mask_interface import (
     is_mask_input,
     mask_input_name,
 )
-from neuron_constrain.program import ProgramEditor, refuse_if_present
-from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
-from neuron_constrain.sites import describe_head, module_path, plan_logits, weight_names
+from neuron_constrain.core.program import ProgramEditor, refuse_if_present
+from neuron_constrain.core.report import AddedInput, PassReport, symbolic_shape
+from neuron_constrain.core.sites import describe_head, module_path, plan_logits, weight_names
 
 MASK_FORMATS = ("packed", "bool")
 CONTRACT = PassContract(name="mask_logits", switch="mask_format",

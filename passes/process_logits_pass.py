@@ -14,7 +14,7 @@ Before (after the mask-logits pass)             After (processors = all four)
                                                    y = where(t < amax(t) + log(min_p), -inf, t)
                                                    order = sort(y)               # sampling: min_p in front
 
-Where: at the mask point of :func:`neuron_constrain.sites.plan_mask_points` (after the
+Where: at the mask point of :func:`neuron_constrain.core.sites.plan_mask_points` (after the
 mask-logits pass that point is the masked logits, so the order is mask, min_tokens,
 logit_bias, penalties, thinking_budget: vLLM's order), then, on each sampling path only, right in front of the
 sampling op: temperature (a per-row ``temperature`` input) and min_p.
@@ -79,11 +79,11 @@ from typing import Sequence
 import torch
 from torch.export import ExportedProgram
 
-from neuron_constrain.contract import PassContract, PassResult, declares
-from neuron_constrain.errors import TransformError
+from neuron_constrain.core.contract import PassContract, PassResult, declares
+from neuron_constrain.core.errors import TransformError
 from neuron_constrain.kernels import allow_token_in_empty_rows, no_token_rows
-from neuron_constrain.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empty_row
-from neuron_constrain.processor_interface import (
+from neuron_constrain.core.mask_interface import EMPTY_OUTPUT, RANK_INPUT, check_empty_row
+from neuron_constrain.core.processor_interface import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
     DEFAULT_WIDTHS,
@@ -96,9 +96,9 @@ from neuron_constrain.processor_interface import (
     fuse_adjacent,
     resolve_processors,
 )
-from neuron_constrain.program import ProgramEditor, refuse_if_present, user_input_names
-from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
-from neuron_constrain.sites import SCALING_OPS, module_path, plan_logits, weight_names
+from neuron_constrain.core.program import ProgramEditor, refuse_if_present, user_input_names
+from neuron_constrain.core.report import AddedInput, PassReport, symbolic_shape
+from neuron_constrain.core.sites import SCALING_OPS, module_path, plan_logits, weight_names
 
 GREEDY_KINDS = ("argmax", "max")
 CONTRACT = PassContract(

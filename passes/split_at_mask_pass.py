@@ -65,11 +65,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.contract import PassContract, PassResult, declares
-from neuron_constrain.errors import TransformError
-from neuron_constrain.program import ProgramEditor, user_input_names
-from neuron_constrain.report import PassReport
-from neuron_constrain.sites import projections
+from neuron_constrain.core.contract import PassContract, PassResult, declares
+from neuron_constrain.core.errors import TransformError
+from neuron_constrain.core.program import ProgramEditor, user_input_names
+from neuron_constrain.core.report import PassReport
+from neuron_constrain.core.sites import projections
 
 __all__ = ["CONTRACT", "SplitReport", "split_at_mask_pass"]
 

@@ -45,12 +45,12 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, TensorArgument
 
-from neuron_constrain.contract import PassContract, PassResult, declares
-from neuron_constrain.errors import TransformError
-from neuron_constrain.program import ProgramEditor, user_input_names, wheres_fed_by
-from neuron_constrain.report import AddedInput, PassReport, symbolic_shape
-from neuron_constrain.sites import normalize_module_path
-from neuron_constrain.tap_interface import (
+from neuron_constrain.core.contract import PassContract, PassResult, declares
+from neuron_constrain.core.errors import TransformError
+from neuron_constrain.core.program import ProgramEditor, user_input_names, wheres_fed_by
+from neuron_constrain.core.report import AddedInput, PassReport, symbolic_shape
+from neuron_constrain.core.sites import normalize_module_path
+from neuron_constrain.core.tap_interface import (
     CAPTURE_PREFIX,
     ENABLED_SUFFIX,
     RANK_INPUT,

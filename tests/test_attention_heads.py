@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.checks import check_program, find_sites
+from neuron_constrain.core.checks import check_program, find_sites
 from neuron_constrain.kernels import pack_bool_mask
-from neuron_constrain.sites import SAMPLING_OPS as SAMPLING_KINDS
-from neuron_constrain.sites import module_path, plan_heads, projections, weight_names
+from neuron_constrain.core.sites import SAMPLING_OPS as SAMPLING_KINDS
+from neuron_constrain.core.sites import module_path, plan_heads, projections, weight_names
 from neuron_constrain.testing import (
     CachedGreedyStep,
     DraftHeadStep,

@@ -13,7 +13,7 @@ import torch
 
 import neuron_constrain as nc
 from neuron_constrain.decoding.dynamo_backend import BACKEND_NAME, default_backend
-from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.core.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.kernels import pack_bool_mask, packed_width
 from neuron_constrain.replacement import active_context
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_constrain.mask_interface import MASK_INPUT
+from neuron_constrain.core.mask_interface import MASK_INPUT
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
 from cli_runner import run_cli as cli
 from cli_runner import run_installed

@@ -1,6 +1,6 @@
-"""Each pass's declared contract (``neuron_constrain.contract``): one name (file =
+"""Each pass's declared contract (``neuron_constrain.core.contract``): one name (file =
 function = report key), the options ``transform()`` hands it, what it requires and
-ensures, and the passes it runs after. The pass manager (``neuron_constrain.pass_manager``)
+ensures, and the passes it runs after. The pass manager (``neuron_constrain.core.pass_manager``)
 orders passes by their contracts, checks ``requires`` before each and ``ensures`` after it,
 and names the pass (and the ones before it) when a check fails or the pass raises."""
 from __future__ import annotations
@@ -12,17 +12,17 @@ import pytest
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.canonical import canonical_text
-from neuron_constrain.checks import CONDITIONS, check_contract
-from neuron_constrain.contract import PassContract, PassResult, declares
-from neuron_constrain.errors import PassError, TransformError
-from neuron_constrain.pass_manager import PassManager
+from neuron_constrain.core.canonical import canonical_text
+from neuron_constrain.core.checks import CONDITIONS, check_contract
+from neuron_constrain.core.contract import PassContract, PassResult, declares
+from neuron_constrain.core.errors import PassError, TransformError
+from neuron_constrain.core.pass_manager import PassManager
 from neuron_constrain.passes import mask_logits_pass, process_logits_pass, split_at_mask_pass, tap_modules_pass
-from neuron_constrain.program import ProgramEditor
-from neuron_constrain.report import PassReport
-from neuron_constrain.tap_interface import match_modules
+from neuron_constrain.core.program import ProgramEditor
+from neuron_constrain.core.report import PassReport
+from neuron_constrain.core.tap_interface import match_modules
 from neuron_constrain.testing import SamplingStep, exponential_noise, random_ids, tiny_decoder
-from neuron_constrain.transform import PASSES
+from neuron_constrain.core.transform import PASSES
 
 ALL_PASSES = (tap_modules_pass, mask_logits_pass, process_logits_pass, split_at_mask_pass)
 OPTIONS = {tap_modules_pass: {"taps": ["model.layers.*.mlp"]}, mask_logits_pass: {}, process_logits_pass: {}}

@@ -10,10 +10,10 @@ import sympy
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.errors import InputError, TransformError
+from neuron_constrain.core.errors import InputError, TransformError
 from neuron_constrain.kernels import pack_bool_mask, packed_width
 from neuron_constrain.replacement import logit_validation
-from neuron_constrain.report import evaluate_dim, unsizable
+from neuron_constrain.core.report import evaluate_dim, unsizable
 from neuron_constrain.testing import GreedyStep, LogitsStep, random_ids, tiny_decoder
 from cli_runner import run_cli
 

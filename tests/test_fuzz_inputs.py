@@ -31,7 +31,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import neuron_constrain as nc
-from neuron_constrain.errors import EmptyMaskRowError, InputError
+from neuron_constrain.core.errors import EmptyMaskRowError, InputError
 from neuron_constrain.kernels import pack_bool_mask, packed_width, unpack_bitmask
 from neuron_constrain.processors import BatchUpdate, ProcessorError, ProcessorState, RequestParams
 from test_processors import argmax, reference_row, reference_sample

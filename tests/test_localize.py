@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import neuron_constrain as nc
-from neuron_constrain.errors import InputError
+from neuron_constrain.core.errors import InputError
 from neuron_constrain.replacement import localize, logit_validation, reference_captures
 from neuron_constrain.replacement.localize import LOGITS, default_taps
 from neuron_constrain.testing import LogitsStep, tiny_decoder

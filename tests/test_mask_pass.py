@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import neuron_constrain as nc
-from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.core.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.kernels import pack_bool_mask, packed_width
 from neuron_constrain.passes import mask_logits_pass
 from neuron_constrain.testing import (

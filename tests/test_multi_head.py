@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.checks import check_program
+from neuron_constrain.core.checks import check_program
 from neuron_constrain.kernels import pack_bool_mask
-from neuron_constrain.program import ProgramEditor
+from neuron_constrain.core.program import ProgramEditor
 from neuron_constrain.testing import DraftHeadStep, random_ids, tiny_decoder
 
 VOCAB = 1000

@@ -12,7 +12,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import neuron_constrain as nc
-from neuron_constrain.errors import EmptyMaskRowError, TransformError
+from neuron_constrain.core.errors import EmptyMaskRowError, TransformError
 from neuron_constrain.kernels import (
     apply_logit_bias,
     apply_min_tokens,
@@ -32,7 +32,7 @@ from neuron_constrain.processors import (
 )
 from neuron_constrain.testing import GreedyStep, SamplingStep, TopKMultinomialStep, random_ids, tiny_decoder
 from conftest import require_torch_xla
-from neuron_constrain.processor_interface import Thinking
+from neuron_constrain.core.processor_interface import Thinking
 from test_processors_state import reference_thought
 
 aten = torch.ops.aten

@@ -18,7 +18,7 @@ from neuron_constrain.processors import (
     ProcessorState,
     RequestParams,
 )
-from neuron_constrain.processor_interface import Thinking
+from neuron_constrain.core.processor_interface import Thinking
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import neuron_constrain as nc
-from neuron_constrain.errors import TransformError
+from neuron_constrain.core.errors import TransformError
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.passes.split_at_mask_pass import split_at_mask_pass
 from neuron_constrain.decoding.pipeline import split_step
 from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestParams
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, CachedSamplingStep, cache_state, exponential_noise, tiny_decoder
-from neuron_constrain.transform import Transformed
+from neuron_constrain.core.transform import Transformed
 from conftest import require_torch_xla
 
 VOCAB, PADDED, BATCH, STEPS, EOS = 1000, 1024, 3, 5, 2

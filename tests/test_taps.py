@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import neuron_constrain as nc
-from neuron_constrain.errors import InputError, TransformError
+from neuron_constrain.core.errors import InputError, TransformError
 from neuron_constrain.passes import tap_modules_pass
-from neuron_constrain.tap_interface import match_modules
+from neuron_constrain.core.tap_interface import match_modules
 from neuron_constrain.replacement import (
     TensorReplacer,
     active_context,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import neuron_constrain as nc
-from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.core.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.kernels import allowed_shard_columns, pack_bool_mask
 from neuron_constrain.testing import (
     GreedyStep,
@@ -385,7 +385,7 @@ def test_vocab_sharded_greedy_across_processes_matches_one_process(world, across
 
 
 def test_cli_rewrites_and_checks_a_vocab_parallel_program(tmp_path, capsys):
-    from neuron_constrain.checks import check_program
+    from neuron_constrain.core.checks import check_program
     from neuron_constrain.cli import main
 
     torch.export.save(sharded_program(1001, 3), tmp_path / "rank.pt2")

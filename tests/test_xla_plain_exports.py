@@ -26,7 +26,7 @@ import neuron_constrain as nc
 from neuron_constrain import cli
 from neuron_constrain.kernels import pack_bool_mask
 from neuron_constrain.testing import GreedyStep, random_ids, tiny_decoder
-from neuron_constrain.transform import strip_added_outputs
+from neuron_constrain.core.transform import strip_added_outputs
 from neuron_constrain.decoding.xla import hlo_parameters, lower, to_xla
 from conftest import require_torch_xla
 

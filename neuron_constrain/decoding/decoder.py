@@ -233,7 +233,7 @@ class CachedDecoder:
     """The prefill and step programs of one model over one cache (see the module docstring).
 
     ``prefill`` and each of ``steps`` (keyed by the tokens a row they take: 1 for
-    decoding, k + 1 to verify k drafts) are :class:`~neuron_constrain.transform.Transformed`;
+    decoding, k + 1 to verify k drafts) are :class:`~neuron_constrain.core.transform.Transformed`;
     ``cache``: the tensors they all read and write in place. ``run_*`` return
     ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords such as
     ``logit_mask=`` pass through). ``length_bucket`` / ``window_bucket``: the prefill
@@ -374,7 +374,7 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     """
     from torch.export import Dim
 
-    from neuron_constrain.transform import transform
+    from neuron_constrain.core.transform import transform
 
     sizes = sorted({new_tokens} if isinstance(new_tokens, int) else set(new_tokens))
     if max_batch < 1 or max_len < 2:

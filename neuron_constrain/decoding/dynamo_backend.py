@@ -55,13 +55,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import InputError, TransformError
-from neuron_constrain.mask_interface import MASK_INPUT
+from neuron_constrain.core.errors import InputError, TransformError
+from neuron_constrain.core.mask_interface import MASK_INPUT
 from neuron_constrain.passes.mask_logits_pass import mask_pass_adds
 from neuron_constrain.passes.process_logits_pass import processors_pass_adds
-from neuron_constrain.sites import find_logits_root
-from neuron_constrain.tap_interface import is_tap_input
-from neuron_constrain.transform import Transformed, strip_added_outputs, transform
+from neuron_constrain.core.sites import find_logits_root
+from neuron_constrain.core.tap_interface import is_tap_input
+from neuron_constrain.core.transform import Transformed, strip_added_outputs, transform
 
 __all__ = ["BACKEND_NAME", "Backend", "TorchCompiled", "backend", "compile", "default_backend"]
 

@@ -21,7 +21,7 @@ import torch
 
 from neuron_constrain.decoding.decoder import CachedDecoder
 from neuron_constrain.decoding.pipeline import PipelinedStep, split_step
-from neuron_constrain.transform import Transformed, transform
+from neuron_constrain.core.transform import Transformed, transform
 
 __all__ = ["cached_loop", "recompute_loop", "sampling_inputs", "transform_decoder", "verify_inputs"]
 

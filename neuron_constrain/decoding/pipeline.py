@@ -41,10 +41,10 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import Error, TransformError
+from neuron_constrain.core.errors import Error, TransformError
 from neuron_constrain.passes.split_at_mask_pass import SplitReport, split_at_mask_pass
-from neuron_constrain.report import TransformReport
-from neuron_constrain.transform import Transformed
+from neuron_constrain.core.report import TransformReport
+from neuron_constrain.core.transform import Transformed
 
 __all__ = ["HEAD_PASSES", "PipelineTimeout", "PipelinedStep", "Split", "split_step"]
 

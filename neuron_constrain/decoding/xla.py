@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 
 __all__ = [
     "HloLowering",
@@ -103,7 +103,7 @@ def to_xla(program_or_transformed, device: torch.device | None = None):
     program = _moved(_program(program_or_transformed), device)
     if isinstance(program_or_transformed, ExportedProgram):
         return program
-    from neuron_constrain.transform import Transformed
+    from neuron_constrain.core.transform import Transformed
 
     return Transformed(program, program_or_transformed.report)
 

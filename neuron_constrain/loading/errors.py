@@ -1,7 +1,7 @@
 """The one error ``load`` raises, and the fixes its messages name."""
 from __future__ import annotations
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 
 OPT_IN = "if you trust this file, pass allow_pickle=True (CLI: --allow-pickle)"
 RESAVE = "save the program again with torch.export.save(program, path)"

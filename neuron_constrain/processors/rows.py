@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from neuron_constrain.processor_interface import (
+from neuron_constrain.core.processor_interface import (
     BUILTIN_INPUTS,
     BUILTIN_PROCESSORS,
     DEFAULT_WIDTHS,

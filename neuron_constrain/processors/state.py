@@ -1,6 +1,6 @@
 """Host state for the process-logits pass: batch updates and the per-slot requests whose
 rows feed the graph inputs the pass added (what a processor is and a request's
-parameters: ``neuron_constrain/processor_interface.py``; the rows themselves:
+parameters: ``neuron_constrain/core/processor_interface.py``; the rows themselves:
 ``rows.py``, the one writer of processor rows)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from neuron_constrain.processor_interface import (
+from neuron_constrain.core.processor_interface import (
     BUILTIN_PROCESSORS,
     DEFAULT_WIDTHS,
     PASS_NAME,

@@ -15,7 +15,7 @@ A context maps tap names (module paths as ``named_modules()`` spells them, plus
 ``values`` is ``[rows, features]`` over the flattened leading dims of the tapped
 value and ``enabled`` is ``bool[rows]``. Tensors are reshaped to the graph's layout,
 cast to its dtype and moved to its device. The context itself lives in
-:mod:`neuron_constrain.tap_context`, which ``Transformed`` reads (the core imports
+:mod:`neuron_constrain.core.tap_context`, which ``Transformed`` reads (the core imports
 nothing of this package); its functions are re-exported here.
 
 :class:`TensorReplacer` turns step-wise reference captures (from :func:`capture`
@@ -34,7 +34,7 @@ from neuron_constrain.replacement.localization_report import LocalizationReport,
 from neuron_constrain.replacement.localize import localize, reference_captures
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.replacement.validation import StepResult, ValidationReport, capture, logit_validation
-from neuron_constrain.tap_context import (
+from neuron_constrain.core.tap_context import (
     active_context,
     get_replacement_tensor,
     recording_captures,

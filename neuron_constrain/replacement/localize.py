@@ -36,16 +36,16 @@ from typing import Sequence
 
 import torch
 
-from neuron_constrain.errors import InputError
+from neuron_constrain.core.errors import InputError
 from neuron_constrain.passes.tap_modules_pass import report_from_program
-from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
-from neuron_constrain.program import user_input_names
+from neuron_constrain.core.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
+from neuron_constrain.core.program import user_input_names
 from neuron_constrain.replacement.localization_report import LocalizationReport, LocalizationRow, LogitsError
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.replacement.validation import capture
-from neuron_constrain.report import TransformReport
-from neuron_constrain.tap_context import active_context, recording_captures
-from neuron_constrain.transform import Transformed, transform
+from neuron_constrain.core.report import TransformReport
+from neuron_constrain.core.tap_context import active_context, recording_captures
+from neuron_constrain.core.transform import Transformed, transform
 
 LOGITS = "logits"  # the captures' entry for the reference's logits
 LAYERS = "model.layers.*"

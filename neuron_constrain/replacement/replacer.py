@@ -6,9 +6,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from neuron_constrain.errors import InputError
+from neuron_constrain.core.errors import InputError
 from neuron_constrain.replacement.files import load_captures
-from neuron_constrain.tap_context import Entry
+from neuron_constrain.core.tap_context import Entry
 
 
 class TensorReplacer:

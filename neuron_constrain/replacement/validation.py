@@ -6,10 +6,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from neuron_constrain.errors import InputError
-from neuron_constrain.tap_interface import as_taps, match_modules
+from neuron_constrain.core.errors import InputError
+from neuron_constrain.core.tap_interface import as_taps, match_modules
 from neuron_constrain.replacement.replacer import TensorReplacer
-from neuron_constrain.tap_context import active_context
+from neuron_constrain.core.tap_context import active_context
 
 
 def _last_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any, Sequence
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 
 
 class ConstraintError(Error, ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 from neuron_constrain.structured.constraints import ConstraintError
 
 

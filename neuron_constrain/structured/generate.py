@@ -19,7 +19,7 @@ from neuron_constrain.structured.keywords import post_validate
 from neuron_constrain.structured.reasoning import Reasoning
 from neuron_constrain.structured.runtime import StructuredRuntime
 from neuron_constrain.structured.tokenizers import TokenizerLike
-from neuron_constrain.transform import Transformed
+from neuron_constrain.core.transform import Transformed
 
 __all__ = ["GenerateResult", "Generation", "generate", "transform_decoder"]
 

@@ -8,7 +8,7 @@ As vLLM's structured-output manager does with a reasoning parser: a request is i
 from its first token until the end marker, unless its prompt already closed a thought (its last
 end marker after its last start marker); the answer's grammar starts after the end marker. A
 ``budget`` caps the thought the way vLLM's ``thinking_token_budget`` does (the rule is the
-thinking-budget processor's, :class:`~neuron_constrain.processor_interface.Thinking`: counted
+thinking-budget processor's, :class:`~neuron_constrain.core.processor_interface.Thinking`: counted
 from the start marker, the prompt's or the model's; once spent, the end marker's next token is
 the only one allowed). ``thought``: a grammar for the thought's text (the end marker allowed
 where it may end); ``grammar_in_thought=True``: the answer's grammar holds from the first token
@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from neuron_constrain.processor_interface import Thinking, Thought
+from neuron_constrain.core.processor_interface import Thinking, Thought
 from neuron_constrain.structured.constraints import Constraint
 
 __all__ = ["Reasoning", "ReasoningMatcher"]

@@ -58,7 +58,7 @@ from typing import Hashable, Mapping, Sequence
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.mask_interface import MASK_INPUT
+from neuron_constrain.core.mask_interface import MASK_INPUT
 from neuron_constrain.structured.accept import Acceptor
 from neuron_constrain.structured.compile_cache import CompileCache
 from neuron_constrain.structured.constraints import Constraint, engine_message
@@ -79,7 +79,7 @@ from neuron_constrain.structured.mask_buffer import MaskBuffer
 from neuron_constrain.structured.reasoning import Reasoning, ReasoningMatcher
 from neuron_constrain.structured.requests import Requests
 from neuron_constrain.structured.tokenizers import VocabularyInfo, with_info
-from neuron_constrain.transform import Transformed
+from neuron_constrain.core.transform import Transformed
 
 
 @dataclasses.dataclass

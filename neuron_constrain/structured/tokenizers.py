@@ -34,7 +34,7 @@ import functools
 import os
 from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 from neuron_constrain.structured.engines.xgrammar_grammars import huggingface_pieces
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
-from neuron_constrain.processor_interface import Thinking
+from neuron_constrain.core.processor_interface import Thinking
 from neuron_constrain.processors.rows import RequestRows
 from neuron_constrain.vllm.head import NO_TOKEN, HeadPrograms
 from neuron_constrain.vllm.token_bans import TokenBans

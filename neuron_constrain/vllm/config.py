@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 from neuron_constrain.vllm import SCHEDULER_CLS, VALIDATOR
 
 log = logging.getLogger("vllm.neuron_constrain")

@@ -60,7 +60,7 @@ from vllm.v1.outputs import SamplerOutput  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
-from neuron_constrain.processor_interface import Thinking  # noqa: E402
+from neuron_constrain.core.processor_interface import Thinking  # noqa: E402
 from neuron_constrain.processors.rows import ProcessorInputs, write_rows  # noqa: E402
 from neuron_constrain.vllm.batch_layout import BatchLayout, RequestNeeds, request_needs, spread  # noqa: E402
 from neuron_constrain.vllm.config import (  # noqa: E402

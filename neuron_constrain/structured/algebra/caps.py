@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 from neuron_constrain.structured.constraints import ConstraintError
 
 CAPS = {

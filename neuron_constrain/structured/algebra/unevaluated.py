@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import json
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra.caps import over, site
 from neuron_constrain.structured.algebra.conditionals import attach

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 
 
 class FillTimeout(Error, TimeoutError):

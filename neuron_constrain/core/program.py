@@ -43,7 +43,7 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import TransformError
+from neuron_constrain.core.errors import TransformError
 
 __all__ = ["ProgramEditor", "refuse_if_present", "user_input_names", "user_outputs", "wheres_fed_by"]
 

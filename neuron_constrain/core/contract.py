@@ -4,7 +4,7 @@ after (in the spirit of torch's ``PassBase.requires`` / ``ensures``), and :class
 
 One name: ``passes/<name>_pass.py`` defines ``<name>_pass``, and its report is filed under
 ``<name>``. ``requires`` / ``ensures`` name conditions of ``checks.CONDITIONS``; the pass
-manager (``neuron_constrain.pass_manager``) checks them around the pass, orders a list of
+manager (``neuron_constrain.core.pass_manager``) checks them around the pass, orders a list of
 passes by ``after`` / ``before``, and hands each the options it declares, so an option two
 passes share (``empty_row``) is given once::
 
@@ -20,7 +20,7 @@ from typing import Callable
 
 from torch.export import ExportedProgram
 
-from neuron_constrain.report import PassReport
+from neuron_constrain.core.report import PassReport
 
 __all__ = ["PassContract", "PassResult", "declares"]
 

@@ -11,7 +11,7 @@ and the runtimes find the inputs and outputs by them.
 """
 from __future__ import annotations
 
-from neuron_constrain.errors import TransformError
+from neuron_constrain.core.errors import TransformError
 
 MASK_INPUT = "logit_mask"
 RANK_INPUT = "tp_rank"

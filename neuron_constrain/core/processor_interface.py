@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from neuron_constrain.errors import Error
+from neuron_constrain.core.errors import Error
 from neuron_constrain.kernels import (
     apply_logit_bias,
     apply_min_tokens_and_logit_bias,

@@ -4,8 +4,8 @@
     result = manager.run(program, mask_format="packed", processors=["min_p"])
     result.program, result.report["mask_logits"], result.programs   # the last program, every report, extras
 
-Each pass is a function declared with :func:`~neuron_constrain.contract.declares` that
-returns a :class:`~neuron_constrain.contract.PassResult`. The manager
+Each pass is a function declared with :func:`~neuron_constrain.core.contract.declares` that
+returns a :class:`~neuron_constrain.core.contract.PassResult`. The manager
 
 - orders the list by what each contract declares (``after`` / ``before``: names of passes
   that may or may not be in the list), keeping the given order where nothing is declared,
@@ -15,7 +15,7 @@ returns a :class:`~neuron_constrain.contract.PassResult`. The manager
   option no pass of the list takes;
 - with ``check`` (the default), checks each pass's ``requires`` on the program it gets and
   its ``ensures`` on the program it returns (``checks.check_contract``);
-- raises :class:`~neuron_constrain.errors.PassError` naming the pass and the ones that ran
+- raises :class:`~neuron_constrain.core.errors.PassError` naming the pass and the ones that ran
   before it when a check fails or the pass raises (the original error chained).
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Callable, Sequence
 
 from torch.export import ExportedProgram
 
-from neuron_constrain.checks import CONDITIONS, check_contract
-from neuron_constrain.contract import PassContract, PassResult
-from neuron_constrain.errors import Error, PassError, TransformError
-from neuron_constrain.report import TransformReport
+from neuron_constrain.core.checks import CONDITIONS, check_contract
+from neuron_constrain.core.contract import PassContract, PassResult
+from neuron_constrain.core.errors import Error, PassError, TransformError
+from neuron_constrain.core.report import TransformReport
 
 __all__ = ["PassManager", "RunResult", "order_passes"]
 
@@ -48,7 +48,7 @@ def _contract(run: Callable) -> PassContract:
     contract = getattr(run, "contract", None)
     if not isinstance(contract, PassContract):
         raise TransformError(f"{getattr(run, '__name__', run)!r} declares no contract: decorate the pass with "
-                             "@declares(PassContract(name=...)) (neuron_constrain.contract)")
+                             "@declares(PassContract(name=...)) (neuron_constrain.core.contract)")
     unknown = [c for c in (*contract.requires, *contract.ensures) if c not in CONDITIONS]
     if unknown:
         raise TransformError(f"the pass {contract.name!r} names condition(s) {unknown}, which checks.CONDITIONS does "
@@ -114,7 +114,7 @@ class PassManager:
                 raise PassError(f"while running {contract.name} ({_history(ran)}): {cause}", contract.name, ran) from e
             if not isinstance(result, PassResult):
                 raise PassError(f"{contract.name} ({_history(ran)}) returned a {type(result).__name__}; a pass returns "
-                                "PassResult(program, report) (neuron_constrain.contract)", contract.name, ran)
+                                "PassResult(program, report) (neuron_constrain.core.contract)", contract.name, ran)
             if self.check:
                 self._check(result.program, contract, "ensures", ran)
             program = result.program

@@ -40,8 +40,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.program import user_input_names
-from neuron_constrain.sites import module_path
+from neuron_constrain.core.program import user_input_names
+from neuron_constrain.core.sites import module_path
 
 __all__ = ["HEADER", "CanonicalGraph", "canonical_text", "is_canonical_text", "parse_canonical"]
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from neuron_constrain.errors import TransformError
+from neuron_constrain.core.errors import TransformError
 
 INPUT_PREFIX = "tap_"  # tap_<name> (replacement), tap_<name>_enabled (row flags)
 ENABLED_SUFFIX = "_enabled"

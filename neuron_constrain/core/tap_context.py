@@ -17,7 +17,7 @@ from typing import Mapping
 
 import torch
 
-from neuron_constrain.errors import InputError
+from neuron_constrain.core.errors import InputError
 
 Entry = tuple[torch.Tensor, "torch.Tensor | None"]
 

@@ -9,14 +9,14 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.tap_context import record_captures, tap_input
-from neuron_constrain.errors import EmptyMaskRowError, InputError, TransformError
+from neuron_constrain.core.tap_context import record_captures, tap_input
+from neuron_constrain.core.errors import EmptyMaskRowError, InputError, TransformError
 from neuron_constrain.passes import mask_logits_pass, process_logits_pass, tap_modules_pass
-from neuron_constrain.mask_interface import is_empty_output
-from neuron_constrain.pass_manager import PassManager
-from neuron_constrain.processor_interface import DEFAULT_WIDTHS
-from neuron_constrain.report import AddedInput, TransformReport, unsizable
-from neuron_constrain.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
+from neuron_constrain.core.mask_interface import is_empty_output
+from neuron_constrain.core.pass_manager import PassManager
+from neuron_constrain.core.processor_interface import DEFAULT_WIDTHS
+from neuron_constrain.core.report import AddedInput, TransformReport, unsizable
+from neuron_constrain.core.tap_interface import CAPTURE_PREFIX, Tap, as_taps, match_modules
 
 __all__ = ["PASSES", "transform", "Transformed"]
 
@@ -274,7 +274,7 @@ def transform(
     per-row widths (stop ids, biased ids, distinct seen tokens);
     ``num_speculative_tokens`` > 0 allows only "min_tokens" and "thinking_budget".
     ``check_contracts``: check each pass's ``requires`` / ``ensures`` around it
-    (:class:`~neuron_constrain.pass_manager.PassManager`); off saves their graph walks.
+    (:class:`~neuron_constrain.core.pass_manager.PassManager`); off saves their graph walks.
     """
     for option, value in (("taps", taps), ("processors", processors)):
         if isinstance(value, str):

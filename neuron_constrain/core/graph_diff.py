@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import re
 
-from neuron_constrain.canonical import HEADER, CanonicalGraph, Record
+from neuron_constrain.core.canonical import HEADER, CanonicalGraph, Record
 
 __all__ = ["GraphDiff", "diff_graphs"]
 

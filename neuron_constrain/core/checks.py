@@ -7,7 +7,7 @@
 - every tap's replacement reaches all readers of the tapped value.
 
 ``check_contract(program, contract, "requires" | "ensures")`` checks what a pass
-declares (:class:`~neuron_constrain.contract.PassContract`) by the conditions of
+declares (:class:`~neuron_constrain.core.contract.PassContract`) by the conditions of
 ``CONDITIONS``, each a function ``program -> failures``.
 """
 from __future__ import annotations
@@ -18,17 +18,17 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.canonical import keyword_inputs
-from neuron_constrain.errors import TransformError
-from neuron_constrain.contract import PassContract
+from neuron_constrain.core.canonical import keyword_inputs
+from neuron_constrain.core.errors import TransformError
+from neuron_constrain.core.contract import PassContract
 from neuron_constrain.kernels import pack_bool_mask, packed_width
-from neuron_constrain.mask_interface import MASK_INPUT, RANK_INPUT, is_mask_input
-from neuron_constrain.processor_interface import BUILTIN_INPUTS
-from neuron_constrain.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
-from neuron_constrain.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
-from neuron_constrain.tap_interface import INPUT_PREFIX as TAP_PREFIX
-from neuron_constrain.tap_interface import RANK_INPUT as TAP_RANK_INPUT
-from neuron_constrain.tap_interface import is_tap_input
+from neuron_constrain.core.mask_interface import MASK_INPUT, RANK_INPUT, is_mask_input
+from neuron_constrain.core.processor_interface import BUILTIN_INPUTS
+from neuron_constrain.core.program import OUTPUT_TAG, user_input_names, user_outputs, wheres_fed_by
+from neuron_constrain.core.sites import SAMPLING_OPS, module_path, projections, sampling_kind, weight_names
+from neuron_constrain.core.tap_interface import INPUT_PREFIX as TAP_PREFIX
+from neuron_constrain.core.tap_interface import RANK_INPUT as TAP_RANK_INPUT
+from neuron_constrain.core.tap_interface import is_tap_input
 
 __all__ = ["CONDITIONS", "CheckError", "Site", "check_contract", "check_program", "check_taps", "depends_on", "find_sites",
            "mask_inputs"]
@@ -57,7 +57,7 @@ def find_sites(program) -> list[Site]:
     each op's input back, through values of its width, to a projection of that width
     (not by the passes' planner); a projection that nothing samples contributes the
     logits outputs it reaches. A projection multiplies the hidden state by a weight
-    (:func:`neuron_constrain.sites.projections`): attention scores over a KV cache are
+    (:func:`neuron_constrain.core.sites.projections`): attention scores over a KV cache are
     as wide as the cache and feed a softmax, but no weight makes them, so that softmax
     is no site."""
     graph = program.graph

@@ -45,8 +45,8 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from neuron_constrain.errors import TransformError
-from neuron_constrain.report import symbolic_shape
+from neuron_constrain.core.errors import TransformError
+from neuron_constrain.core.report import symbolic_shape
 
 aten = torch.ops.aten
 
