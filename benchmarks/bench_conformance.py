@@ -6,7 +6,7 @@
 The cases (``benchmarks/data/conformance/draft2020-12/<area>.json``, one file per keyword area of
 the standard test suite's draft2020-12 directory): groups of a schema, valid instances and invalid
 instances, written from the specification's text, each verdict jsonschema's
-(``tests/test_conformance_data.py``; ``format`` is an annotation, as 2020-12 has it by default).
+(``tests/structured/test_conformance_data.py``; ``format`` is an annotation, as 2020-12 has it by default).
 
 Per engine, a group counts when its schema compiles (``json_schema(schema, strict=False)`` through
 ``engine.compile``: the path of ``testing.schemas.differential``) and, teacher-forced (``json.dumps``

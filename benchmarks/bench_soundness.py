@@ -1,4 +1,4 @@
-"""The differential soundness check of tests/test_soundness.py, run longer, with the counts.
+"""The differential soundness check of tests/structured/test_soundness.py, run longer, with the counts.
 
     python benchmarks/bench_soundness.py [--examples 300] [--regions typed,untyped,...,regex] [--strict both]
 

@@ -46,7 +46,7 @@ depends on the head inputs.
 
 Requires ``has_head_inputs`` (a mask or processor input, which the passes add as
 keywords) and runs after the passes that add them. It returns two programs, so no
-condition on one program states what it ensures; ``tests/test_split.py`` checks
+condition on one program states what it ensures; ``tests/passes/test_split.py`` checks
 ``head(*body(...))`` against the step.
 
 Returns ``PassResult(body, SplitReport, {"head": head})``. Both are plain ``ExportedProgram``s of the

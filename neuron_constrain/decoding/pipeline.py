@@ -22,7 +22,7 @@ MKL build): the budget is per thread (OpenMP's ``omp_set_num_threads`` and MKL's
 ``mkl_set_num_threads_local``), but ``set_num_threads`` also stores a process-wide
 default that a thread adopts on its first parallel op; so the caller's thread is
 initialised first and that default is put back after the worker took its budget
-(``tests/test_pipeline.py`` checks both threads' counts).
+(``tests/decoding/test_pipeline.py`` checks both threads' counts).
 
 Token-identical to the serial step: the same two programs run on the same inputs;
 only when they run changes. Errors surface, never hang: a body error is raised from

@@ -17,7 +17,7 @@ a schema's meaning (``schema_rewrite.normalize``) and the engine's own (``distri
 ``narrow`` for xgrammar). ``json_schema(..., unenforced="allow")`` opts in: the request
 compiles, its result lists the unenforced keywords, and the final output is validated here.
 
-The lists are measured, not assumed: ``tests/test_soundness.py`` draws schemas from the whole
+The lists are measured, not assumed: ``tests/structured/test_soundness.py`` draws schemas from the whole
 vocabulary and instances around them, and fails if an engine accepts an instance ``jsonschema``
 calls invalid of a schema it compiled; :func:`guarantee_table` writes the README's table.
 """

@@ -18,7 +18,7 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
       finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
                           finite item domains -> the enum of the arrays
 
-Every rewrite keeps the set of valid values exactly (``tests/test_schema_algebra.py`` checks it
+Every rewrite keeps the set of valid values exactly (``tests/structured/test_schema_algebra.py`` checks it
 with ``jsonschema`` against the schema as sent, and teacher-forces the engines); a rewrite whose
 output would pass a size cap (``CAPS``) raises :class:`CapReached` naming the cap and the pointer.
 Checks of values (``enum`` filtering, disjointness by values) are ``jsonschema``'s, in 2020-12

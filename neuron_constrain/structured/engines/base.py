@@ -6,7 +6,7 @@
     failures = engine.batch_fill(matchers, buffer, rows)   # [(index, error)] for the rows that failed
     accepted = engine.batch_accept(matchers, tokens)       # [bool] per matcher
 
-What an engine promises (``tests/test_engines.py`` runs one contract test against each):
+What an engine promises (``tests/structured/test_engines.py`` runs one contract test against each):
 
 * **Mask rows.** The mask is an int32 CPU tensor ``[rows, ceil(V/32)]``, token ``t`` is
   bit ``t % 32`` of word ``t // 32``, 1 = allowed. ``fill_next_token_bitmask(buffer, row)``

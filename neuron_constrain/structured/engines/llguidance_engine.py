@@ -32,7 +32,7 @@ from neuron_constrain.structured.engines.llguidance_tokenizer import import_llgu
 # --------------------------------------------------------------------------- what llguidance enforces
 # Its JSON compiler implements these (its json_schema.md) and fails on every other keyword
 # ("Unimplemented keys"); untyped assertions apply to their own type, siblings of anyOf/$ref
-# are intersected. Measured by tests/test_soundness.py on llguidance 1.9.1.
+# are intersected. Measured by tests/structured/test_soundness.py on llguidance 1.9.1.
 _FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
 ENFORCES = keywords.register(keywords.Allowlist(
     "llguidance",
@@ -52,7 +52,7 @@ ENFORCES = keywords.register(keywords.Allowlist(
                                          "additionalProperties", "required", "patternProperties")),
     ),
     _FORMATS,
-    evidence="llguidance's json_schema.md; tests/test_soundness.py (the differential test), llguidance 1.9.1",
+    evidence="llguidance's json_schema.md; tests/structured/test_soundness.py (the differential test), llguidance 1.9.1",
     pattern_form="`^(?:...)$` in the plain syntax (`pattern_text.to_regex`), over the string's characters",
 ))
 

@@ -1,6 +1,6 @@
 """Jump-forward on the host: forced runs found by the runtime, laid out as rows that allow
 exactly their token, accepted as runs. (Decoding them through a verify program:
-tests/test_jump_forward.py.)"""
+tests/decoding/test_jump_forward.py.)"""
 from __future__ import annotations
 
 

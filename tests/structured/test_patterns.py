@@ -3,7 +3,7 @@
 algebra, and the tree's language never larger than Python's ``re`` reading of the pattern.
 
 The engines' side (what each engine accepts once a pattern is written back) is the differential
-test's (``tests/test_soundness.py``: the patterns and regex regions).
+test's (``tests/structured/test_soundness.py``: the patterns and regex regions).
 """
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ subprocesses (``run_installed``): ``python -m neuron_constrain show`` (exit 0), 
 ``neuron-constrain`` console script's ``rewrite --tap`` (exit 0) and a failing
 ``check`` (exit 1).
 
-Golden canonical texts live in ``tests/golden/``; the same files hold on torch 2.9
+Golden canonical texts live in ``tests/cli/golden/``; the same files hold on torch 2.9
 and 2.13. After an intended graph change, regenerate one with
-``neuron-constrain check OUT.pt2 --expect tests/golden/NAME.txt --update``.
+``neuron-constrain check OUT.pt2 --expect tests/cli/golden/NAME.txt --update``.
 """
 from __future__ import annotations
 

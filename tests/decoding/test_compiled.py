@@ -7,7 +7,7 @@ compilation per program and shape bucket over a whole ``generate``.
 
 The main lane runs this file (``one_lane``: its packages take minutes to compile on two
 shared cores, and the main lane has torch-xla); the latest lane's torch exports the same
-programs (tests/test_generate_cached.py)."""
+programs (tests/decoding/test_generate_cached.py)."""
 from __future__ import annotations
 
 import json

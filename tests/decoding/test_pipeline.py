@@ -18,7 +18,7 @@ from neuron_constrain import structured as S
 from neuron_constrain.decoding.pipeline import PipelinedStep, PipelineTimeout, split_step
 from neuron_constrain.structured.runtime import StructuredRuntime
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, tiny_decoder, toy_tokenizer
-from test_split import fresh
+from references import fresh
 from conftest import require_torch_xla
 
 BATCH, MODEL_VOCAB = 4, 768

@@ -232,7 +232,7 @@ def test_the_readme_tables_are_the_lists(table):
 
     from neuron_constrain.structured import keywords as K
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     copy = readme.split(f"<!-- {table}-table:start -->\n")[1].split(f"\n<!-- {table}-table:end -->")[0]
     assert copy == getattr(K, f"{table}_table")(), "regenerate the README's table: python -c 'from " \
         f"neuron_constrain.structured import keywords as K; print(K.{table}_table())'"

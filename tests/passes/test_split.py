@@ -38,11 +38,6 @@ def cached_step(arch: str, sampling: bool, strict: bool = False) -> Transformed:
     return nc.transform(step, step.example_inputs(VOCAB), vocab_size=VOCAB, processors=PROCESSORS, strict=strict)
 
 
-def fresh(transformed: Transformed) -> Transformed:
-    """The same rewritten step with its own copy of the weights and KV cache."""
-    return Transformed(copy.deepcopy(transformed.program), transformed.report)
-
-
 def processor_state(transformed: Transformed) -> ProcessorState:
     state = ProcessorState.for_model(transformed, BATCH, eos_token_id=EOS)
     state.update(BatchUpdate(BATCH, added=[
@@ -140,6 +135,7 @@ def test_cut_hidden_moves_the_lm_head_into_the_head():
 
 SUBPROCESS = r"""
 import sys, torch
+from references import fresh
 body, head = torch.export.load(sys.argv[1]), torch.export.load(sys.argv[2])
 unsplit = torch.export.load(sys.argv[3])
 case = torch.load(sys.argv[4])

@@ -1,5 +1,5 @@
 """Jump-forward through the verify programs: forced tokens decoded as drafts that cannot be
-rejected, on the tiny KV-cached decoder (the real model: tests/test_models_smollm2.py,
+rejected, on the tiny KV-cached decoder (the real model: tests/models/test_models_smollm2.py,
 benchmarks/bench_jump_forward.py)."""
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_bench_jump_forward_writes_the_issue_schema(tmp_path):
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     data = tmp_path / "data"
     data.mkdir()
     for name in ("BFCL_simple_9.json", "Handwritten---pp3.json", "Github_easy---o9953.json"):
@@ -184,7 +184,7 @@ def test_bench_jump_forward_writes_the_issue_schema(tmp_path):
     out = tmp_path / "jf.json"
     subprocess.run([sys.executable, str(root / "benchmarks" / "bench_jump_forward.py"), "--data", str(data), "--model",
                     "tiny", "--mode", "exact", "--engine", "xgrammar", "--max-tokens", "24", "--json", str(out),
-                    "--compile", "none"],  # the JSON it writes; compiled jump-forward: tests/test_compiled.py
+                    "--compile", "none"],  # the JSON it writes; compiled jump-forward: tests/decoding/test_compiled.py
                    check=True, capture_output=True, text=True, timeout=600)
     result = json.loads(out.read_text())
     fields = {"file", "status", "output_tokens", "forward_passes", "forward_passes_without", "forced_tokens", "valid",

@@ -34,7 +34,7 @@ import neuron_constrain as nc
 from neuron_constrain.core.errors import EmptyMaskRowError, InputError
 from neuron_constrain.kernels import pack_bool_mask, packed_width, unpack_bitmask
 from neuron_constrain.processors import BatchUpdate, ProcessorError, ProcessorState, RequestParams
-from test_processors import argmax, reference_row, reference_sample
+from references import argmax, reference_row, reference_sample
 
 VOCAB, WIDTH, EOS, SLOTS = 70, 80, 3, 4
 PACKED = packed_width(VOCAB)  # 3 int32 words

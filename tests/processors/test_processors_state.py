@@ -19,6 +19,7 @@ from neuron_constrain.processors import (
     RequestParams,
 )
 from neuron_constrain.core.processor_interface import Thinking
+from references import reference_thought
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic
@@ -38,30 +39,6 @@ class Request:
     params: RequestParams
     prompt: list
     outputs: list
-
-
-def reference_thought(prompt: list, outputs: list, budget: int, start=THINK, end=END) -> tuple[int, int]:
-    """(thinking_budget_left, thinking_end_id) from the rule: inside a thought after a start
-    marker with no end marker after it; every token after the start counts; once ``budget``
-    are written, the end marker's tokens are forced one by one."""
-    def ends_with(seq, marker):
-        return seq[-len(marker):] == marker
-
-    opened = [i for i in range(len(prompt)) if prompt[i:i + len(start)] == start]
-    closed = [i for i in range(len(prompt)) if prompt[i:i + len(end)] == end]
-    inside = bool(opened) and (not closed or opened[-1] > closed[-1])
-    count, forced, seq = (len(prompt) - opened[-1] - len(start) if inside else 0), 0, list(prompt)
-    for token in outputs:
-        seq.append(token)
-        if not inside:
-            inside, count, forced = ends_with(seq, start), 0, 0
-        elif ends_with(seq, end):
-            inside = False
-        else:
-            if count >= budget and forced < len(end) and token == end[forced]:
-                forced += 1
-            count += 1
-    return (budget - count, end[min(forced, len(end) - 1)]) if inside else (0, -1)
 
 
 def reference_inputs(slots: dict[int, Request], batch: int) -> dict:
@@ -95,7 +72,7 @@ def reference_inputs(slots: dict[int, Request], batch: int) -> dict:
                 seen[token] = seen.get(token, 0) + 1
         cols["penalty_seen"].append(seen)
         left, end_id = (0, -1) if p.thinking_token_budget is None else \
-            reference_thought(request.prompt, outputs, p.thinking_token_budget)
+            reference_thought(request.prompt, outputs, p.thinking_token_budget, THINK, END)
         cols["thinking_budget_left"].append(left)
         cols["thinking_end_id"].append(end_id)
         cols["temperature"].append(p.temperature)

@@ -19,7 +19,7 @@ from neuron_constrain.testing import force
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic(lane="latest")
 
-MASKBENCH = pathlib.Path(__file__).parent / "data" / "maskbench"
+MASKBENCH = pathlib.Path(__file__).parents[1] / "data" / "maskbench"
 WINDOW = 48  # the copy decoder echoes the token WINDOW positions back
 
 # keyword -> (schema, an instance that breaks only that keyword, a valid instance)
@@ -35,7 +35,7 @@ PROBES = {
     "maxLength": ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcdef", "ab"),
     "maxLength-beside-$ref": ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "abcd", "ab"),
     "format": ({"type": "string", "format": "regex"}, "(", "a+"),
-    # keywords the schema algebra rewrites where it can (tests/test_schema_algebra.py): probed here
+    # keywords the schema algebra rewrites where it can (tests/structured/test_schema_algebra.py): probed here
     # where it cannot (a pattern has no positive complement), so the policy still names them
     "not": ({"type": "string", "not": {"pattern": "^a"}}, "ab", "ba"),
     "if": ({"type": "string", "if": {"pattern": "^a"}, "then": {"maxLength": 2}}, "abc", "ab"),

@@ -33,60 +33,19 @@ from neuron_constrain.processors import (
 from neuron_constrain.testing import GreedyStep, SamplingStep, TopKMultinomialStep, random_ids, tiny_decoder
 from conftest import require_torch_xla
 from neuron_constrain.core.processor_interface import Thinking
-from test_processors_state import reference_thought
+from references import END, NEG_INF, THINK, argmax, reference_row, reference_sample
 
 aten = torch.ops.aten
 ALL = ["min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p"]
 BATCH_DIM = torch.export.Dim("batch")
-NEG_INF = -math.inf
 
 
 # ----------------------------------------------------------------------------- reference, from the semantics
 
 
-def reference_row(logits, allowed, params: RequestParams, prompt, outputs, *, eos, vocab):
-    """The processed logits of one row before sampling (greedy picks their argmax):
-    grammar mask, min_tokens, logit_bias, penalties, thinking budget. Plain Python floats."""
-    x = [float(v) if i < vocab and allowed[i] else NEG_INF for i, v in enumerate(logits)]
-    if len(outputs) < params.min_tokens:
-        for token in {*params.stop_token_ids, eos}:
-            x[token] = NEG_INF
-    for token, bias in (params.logit_bias or {}).items():
-        x[token] += bias
-    counts = collections.Counter(outputs)
-    for token in range(len(x)):
-        if token in prompt or counts[token]:
-            p = params.repetition_penalty
-            x[token] = x[token] / p if x[token] > 0 else x[token] * p
-        x[token] -= params.frequency_penalty * counts[token] + params.presence_penalty * (counts[token] > 0)
-    if params.thinking_token_budget is not None:  # a spent budget: the end marker's next token gains 1e9
-        left, end_id = reference_thought(list(prompt), list(outputs), params.thinking_token_budget, THINK, END)
-        if end_id >= 0 and left <= 0:
-            x[end_id] += 1e9
-    return x
-
-
-def reference_sample(x, params: RequestParams, noise, *, temperature):
-    """Sampling path: temperature, min_p (probability threshold), then the exponential race."""
-    x = [v / temperature for v in x]
-    top = max(x)
-    probs = [math.exp(v - top) for v in x]
-    total = sum(probs)
-    probs = [p / total for p in probs]
-    p_max = max(probs)
-    kept = [p if p >= params.min_p * p_max else 0.0 for p in probs]
-    total = sum(kept)
-    return max(range(len(x)), key=lambda i: (kept[i] / total) / float(noise[i]))
-
-
-def argmax(x):
-    return max(range(len(x)), key=x.__getitem__)
-
-
 # ----------------------------------------------------------------------------- synthetic decoders
 
 VOCAB, WIDTH, EOS, SLOTS = 70, 80, 3, 5
-THINK, END = [60], [61, 62]  # thought markers (the end marker two tokens)
 
 
 class Synthetic(torch.nn.Module):

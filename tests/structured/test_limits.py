@@ -376,7 +376,7 @@ def test_the_readme_table_lists_every_limit_and_its_default():
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (\d+) \| ", text, re.M))
     defaults = {f.name: getattr(L.DEFAULT, f.name) for f in dataclasses.fields(L.Limits)}
     assert {name: int(rows.get(name, -1)) for name in defaults} == defaults

@@ -21,7 +21,7 @@ from referencing.jsonschema import DRAFT202012
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic(lane="latest")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data" / "conformance" / "draft2020-12"
 REQUIRED_AREAS = (  # the JSON Schema test suite's tests/draft2020-12/*.json
     "additionalProperties", "allOf", "anchor", "anyOf", "boolean_schema", "const", "contains", "content",
