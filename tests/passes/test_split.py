@@ -23,6 +23,7 @@ from neuron_constrain.processors import BatchUpdate, ProcessorState, RequestPara
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, CachedSamplingStep, cache_state, exponential_noise, tiny_decoder
 from neuron_constrain.core.transform import Transformed
 from conftest import require_torch_xla
+from references import fresh
 
 VOCAB, PADDED, BATCH, STEPS, EOS = 1000, 1024, 3, 5, 2
 PROCESSORS = ["min_tokens", "logit_bias", "penalties", "min_p"]
@@ -135,7 +136,6 @@ def test_cut_hidden_moves_the_lm_head_into_the_head():
 
 SUBPROCESS = r"""
 import sys, torch
-from references import fresh
 body, head = torch.export.load(sys.argv[1]), torch.export.load(sys.argv[2])
 unsplit = torch.export.load(sys.argv[3])
 case = torch.load(sys.argv[4])
