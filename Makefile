@@ -58,7 +58,7 @@ XDIST ?= -n 2 --dist loadfile
 # The documentation site into build/site; --strict: a broken link, a missing page or an unresolved
 # API reference fails the build.
 docs: .venv-docs/.installed
-	NO_MKDOCS_2_WARNING=1 .venv-docs/bin/python -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 .venv-docs/bin/python -m mkdocs build --strict
 
 # SmolLM2 answers (converted into build/smollm2 on first use); `neuron-constrain demo --model tiny`: random weights.
 demo: .venv/.installed

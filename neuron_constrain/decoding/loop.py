@@ -29,10 +29,21 @@ __all__ = ["cached_loop", "recompute_loop", "sampling_inputs", "transform_decode
 def transform_decoder(model, example_inputs, *, vocab_size: int, enable_structured_outputs: bool = True, **kwargs) -> Transformed:
     """``transform`` with the structured-outputs switch.
 
-    True: the graph gains the packed ``logit_mask`` input (unconstrained traffic feeds
-    ``-1`` rows through the same compiled graph, so the first constrained request
-    costs no recompilation). False: no mask input and no mask work; a
-    :class:`StructuredRuntime` built for it refuses constrained requests.
+    Args:
+        model: the decode step (``input_ids -> token``) to export and rewrite.
+        example_inputs: its example inputs.
+        vocab_size: the tokenizer's vocabulary.
+        enable_structured_outputs: ``True``: the graph gains the packed ``logit_mask`` input
+            (unconstrained traffic feeds ``-1`` rows through the same compiled graph, so the first
+            constrained request costs no recompilation). ``False``: no mask input and no mask
+            work; a :class:`StructuredRuntime` built for it refuses constrained requests.
+        **kwargs: other keywords of :func:`neuron_constrain.transform`.
+
+    Returns:
+        The rewritten step (:class:`Transformed`).
+
+    Raises:
+        TransformError: as :func:`neuron_constrain.transform`.
     """
     if enable_structured_outputs:
         return transform(model, example_inputs, logit_mask="packed", vocab_size=vocab_size, **kwargs)
