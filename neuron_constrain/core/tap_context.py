@@ -46,8 +46,12 @@ def _entries(ctx: Mapping | None) -> dict[str, Entry] | None:
 
 
 def set_active_context(ctx: Mapping | None) -> None:
-    """Make ``ctx`` (tap name -> tensor or (values, enabled)) the replacements of every
-    later call; ``None`` turns all taps off."""
+    """Make ``ctx`` the replacements of every later call in this thread.
+
+    Args:
+        ctx: tap name -> a tensor (every row replaced) or ``(values, enabled)`` (per-row flags),
+            e.g. :meth:`TensorReplacer.build_context`'s result; ``None`` turns all taps off.
+    """
     _state.active = _entries(ctx)
 
 

@@ -32,6 +32,18 @@ def capture(model: torch.nn.Module, prompts: Sequence[Sequence[int]], taps: Iter
     cover positions ``[0, len(prompt) + max_new_tokens)``. ``taps`` are the patterns
     given to ``transform`` (``Tap`` or ``"path"`` / ``"path:N"``); names match the
     tap names of the transformed model when ``model`` is built like it.
+
+    Args:
+        model: the eager reference model (``forward(input_ids) -> logits``).
+        prompts: prompt token ids.
+        taps: tap patterns, as given to ``transform``.
+        max_new_tokens: greedy steps after the prompt.
+
+    Returns:
+        Per prompt, tap name -> the step tensors.
+
+    Raises:
+        InputError: the model does not return logits, or a pattern matches no module.
     """
     modules = dict(model.named_modules())
     hooks, current = [], {}
@@ -147,6 +159,21 @@ def logit_validation(
     its taps are fed from the captures at every position. ``transformed`` must
     return logits ([1, S, V] or [1, V]); so must ``reference`` (an eager model, e.g.
     the same model in float64).
+
+    Args:
+        transformed: the model under test (a tapped ``Transformed`` or any module returning logits).
+        reference: the reference module.
+        prompts: prompt token ids.
+        max_new_tokens: steps compared per prompt after the prompt.
+        replacer: feed the taps from these captures at every position.
+        atol: the largest logit error that counts as agreement.
+        top_k: agreement is also measured on the top ``top_k`` tokens.
+
+    Returns:
+        Per step, the max abs error, top-k agreement and both tokens (``.summary()`` prints them).
+
+    Raises:
+        InputError: a model that does not return logits, or logits of different widths.
     """
     results = []
     for index, prompt in enumerate(prompts):
