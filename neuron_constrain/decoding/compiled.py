@@ -13,7 +13,7 @@ are frozen into the package (Inductor's ``freezing``, which runs only with autog
 each linear layer's weight prepacked for oneDNN, for the whole dynamic batch): a SmolLM2
 step on this CPU reads its weights at about the machine's memory bandwidth, where MKL's
 fp32 GEMM, eager's and Hugging Face's, takes twice as long at one row and four times as
-long at eight (README, "Compiled programs"). The KV cache is
+long at eight (docs/guides/real-model.md, "Compiled programs"). The KV cache is
 not in the package: it is loaded into every package as a *user-managed constant*,
 the very tensors the eager programs hold, so all of them read and write the one cache
 (``keep_rows`` moves its rows for all) and the eager programs stay the reference,
