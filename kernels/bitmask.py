@@ -37,7 +37,17 @@ __all__ = [
 
 
 def packed_width(vocab_size: int) -> int:
-    """Number of int32 words that hold ``vocab_size`` bits."""
+    """Number of int32 words that hold ``vocab_size`` bits.
+
+    Args:
+        vocab_size: the vocabulary.
+
+    Returns:
+        ``ceil(vocab_size / 32)``.
+
+    Raises:
+        ValueError: ``vocab_size`` is not positive.
+    """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
@@ -76,7 +86,19 @@ def _check_mask(mask: torch.Tensor, vocab_size: int) -> None:
 
 
 def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed)."""
+    """int32 ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed).
+
+    Args:
+        packed: xgrammar's bitmask.
+        vocab_size: ``V``.
+
+    Returns:
+        The bool mask.
+
+    Raises:
+        TypeError: ``packed`` is not int32.
+        ValueError: its width is not ``ceil(V/32)``.
+    """
     _check_packed(packed, vocab_size)
     bits = torch.bitwise_and(packed.unsqueeze(-1), _bit_values(packed.device)) != 0
     return bits.flatten(-2)[..., :vocab_size]
@@ -153,6 +175,20 @@ def apply_bitmask(
     rank's vocab shard of a vocab-parallel lm_head (``mask`` stays the full mask).
     ``empty_token``: a row whose mask allows nothing allows exactly this token.
     This is the kernel the mask-logits pass inserts.
+
+    Args:
+        logits: ``[..., width]``.
+        mask: packed int32 ``[..., ceil(V/32)]`` or bool ``[..., V]``.
+        vocab_size: ``V``; default the logits' width.
+        rank: this rank's index (int ``[1]``) when the logits are a vocab shard.
+        empty_token: the token a row allowing nothing allows instead.
+
+    Returns:
+        The masked logits (a new tensor).
+
+    Raises:
+        TypeError: a mask that is neither int32 nor bool.
+        ValueError: a mask whose width does not fit ``vocab_size``.
     """
     width = logits.shape[-1]
     vocab_size = width if vocab_size is None else vocab_size
@@ -211,6 +247,14 @@ def masked_argmax(
     the logits, so no bool mask is materialised. A row whose mask allows nothing
     gets ``empty=True`` (and a meaningless token): the caller decides, never token 0
     in silence.
+
+    Args:
+        logits: ``[..., width]``.
+        packed: xgrammar's int32 bitmask ``[..., ceil(V/32)]``.
+        vocab_size: ``V``; default the logits' width.
+
+    Returns:
+        ``(tokens, empty)``: the best allowed token per row, and whether the row allowed none.
     """
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
     tokens = apply_bitmask(logits, packed, vocab_size).argmax(-1)
@@ -221,7 +265,17 @@ def masked_argmax(
 
 
 def pack_bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool ``[..., V]`` -> xgrammar int32 ``[..., ceil(V/32)]`` (bits past V are 0)."""
+    """bool ``[..., V]`` -> xgrammar int32 ``[..., ceil(V/32)]`` (bits past V are 0).
+
+    Args:
+        mask: True where a token is allowed.
+
+    Returns:
+        The packed bitmask, as ``xgrammar.allocate_token_bitmask`` lays it out.
+
+    Raises:
+        TypeError: ``mask`` is not bool.
+    """
     if mask.dtype != torch.bool:
         raise TypeError(f"pack_bool_mask wants a bool mask, got {mask.dtype}")
     vocab_size = mask.shape[-1]

@@ -238,7 +238,11 @@ class CachedDecoder:
     ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords such as
     ``logit_mask=`` pass through). ``length_bucket`` / ``window_bucket``: the prefill
     length and the attention window are rounded up to multiples of these (the shapes an
-    AOT backend compiles once each).
+    AOT backend compiles once each). Built by :func:`export_decoder`.
+
+    Raises:
+        ValueError: on a run, what the programs would index out of range (token ids past the
+            embedding, rows past the cache, positions past its length), before any program runs.
     """
 
     prefill: object
@@ -359,18 +363,29 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
                    package_dir=None, **transform_options) -> CachedDecoder:
     """Export ``model``'s prefill and step programs over one static cache and run the passes.
 
-    ``new_tokens``: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode
-    plus verify steps for 1, 3 and 7 drafts); one export each. ``vocab_size``: the
-    tokenizer's (the mask width); ``transform_options`` go to
-    :func:`neuron_constrain.transform` (e.g. ``logit_mask=None``). ``pad_id``: the token
-    right-padding a prompt (never attended by real tokens). ``sampled``: every program also
-    takes ``noise`` (Exponential(1), the logits' shape) and ``temperature [B]`` and samples
-    by the exponential race instead of the argmax (``generate(..., temperature=)``).
-    ``compile``: ``"inductor"`` (AOTInductor packages, kept in ``package_dir``) or ``"xla"``
-    runs the programs compiled (:func:`neuron_constrain.decoding.compile_decoder`; the
-    eager programs stay as ``decoder.eager``); None runs them eagerly; ``"auto"``: compiled
-    where every package is built already (loaded in about a second), eagerly otherwise
-    (no first compile of minutes: a one-off command answers sooner).
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` (or a module built like one).
+        max_batch: cache rows: the most requests decoded at once.
+        max_len: cache slots a row: prompt plus answer.
+        vocab_size: the tokenizer's vocabulary (the mask width).
+        new_tokens: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode plus
+            verify steps for 1, 3 and 7 drafts); one export each.
+        strict: ``torch.export``'s strict mode.
+        pad_id: the token right-padding a prompt (never attended by real tokens).
+        sampled: every program also takes ``noise`` (Exponential(1), the logits' shape) and
+            ``temperature [B]`` and samples by the exponential race instead of the argmax.
+        compile: ``"inductor"`` (AOTInductor packages, kept in ``package_dir``) or ``"xla"`` runs
+            the programs compiled (the eager ones stay as ``decoder.eager``); ``None`` runs them
+            eagerly; ``"auto"``: compiled where every package is built already, eagerly otherwise.
+        package_dir: where AOTInductor packages are kept and found again.
+        **transform_options: keywords of :func:`neuron_constrain.transform` (e.g. ``logit_mask=None``).
+
+    Returns:
+        The decoder: ``generate(decoder, ...)`` runs it.
+
+    Raises:
+        ValueError: a cache without a row or two slots, or a step wider than the cache.
+        TransformError: as :func:`neuron_constrain.transform`.
     """
     from torch.export import Dim
 
