@@ -26,6 +26,24 @@ __all__ = ["GenerateResult", "Generation", "generate", "transform_decoder"]
 
 @dataclasses.dataclass
 class Generation:
+    """One request's answer from :func:`generate`.
+
+    Attributes:
+        request_id: its index in the call's prompts.
+        prompt: its prompt's token ids.
+        tokens: the generated tokens, the stop token included when it came.
+        text: their decode (with ``reasoning``: the answer), control and stop tokens dropped.
+        finish_reason: ``"stop"``, ``"length"`` or ``"error"``.
+        error: why, for ``"error"``.
+        unenforced: keywords accepted with ``unenforced="allow"`` but not enforced.
+        violation: with unenforced keywords, the finished output's schema violation, if any.
+        seconds: from its first model step to its last (``None`` if never scheduled).
+        forward_passes: model steps it took part in, its prefill included.
+        forced_tokens: tokens its grammar forced, taken as drafts of a verify step.
+        forced_seconds: host time finding its forced runs.
+        reasoning: with ``reasoning=``, the thought's text (vLLM's ``reasoning_content``).
+    """
+
     request_id: int
     prompt: list[int]
     tokens: list[int]  # generated, the stop token included when it came
@@ -44,6 +62,14 @@ class Generation:
 
 @dataclasses.dataclass
 class GenerateResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+        outputs: one :class:`Generation` per prompt, in order.
+        step_host_seconds: per decode step, the runtime's step and accept (the engine's included).
+        step_fill_seconds: the engine's part of it (fill, accept).
+    """
+
     outputs: list[Generation]
     step_host_seconds: list[float]  # runtime step + accept, per decode step (xgrammar included)
     step_fill_seconds: list[float]  # xgrammar's part of it (fill, accept)

@@ -30,6 +30,13 @@ _MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
 
 @dataclasses.dataclass
 class ToolCall:
+    """One tool call read from an answer.
+
+    Attributes:
+        name: the tool's name.
+        arguments: its arguments, valid against the tool's parameters when the call was constrained.
+    """
+
     name: str
     arguments: dict
 
