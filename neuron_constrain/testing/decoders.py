@@ -63,7 +63,17 @@ def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, lay
 
 
 def tiny_decoder(arch: str = "llama", *, seed: int = 0, dtype=torch.float32, **config) -> torch.nn.Module:
-    """``*ForCausalLM`` with random weights, in eval mode."""
+    """``*ForCausalLM`` with random weights, in eval mode.
+
+    Args:
+        arch: one of ``ARCHITECTURES`` (``"llama"``, ``"mixtral"``, ``"gpt_oss"``, ``"qwen3"``, ...).
+        seed: the weights.
+        dtype: the weights' dtype.
+        **config: keywords of :func:`tiny_config` (``vocab_size=1024``, ``layers=2``, overrides).
+
+    Returns:
+        The model (a Hugging Face module: export it, wrap it in a step).
+    """
     import transformers
 
     cfg = tiny_config(arch, **config)
@@ -73,7 +83,11 @@ def tiny_decoder(arch: str = "llama", *, seed: int = 0, dtype=torch.float32, **c
 
 
 class GreedyStep(torch.nn.Module):
-    """One greedy decode step: ``input_ids [B, S] -> token [B]`` (argmax of the last logits)."""
+    """One greedy decode step: ``input_ids [B, S] -> token [B]`` (argmax of the last logits).
+
+    Args:
+        model: a ``*ForCausalLM`` (e.g. :func:`tiny_decoder`'s).
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -85,7 +99,11 @@ class GreedyStep(torch.nn.Module):
 
 
 class LogitsStep(torch.nn.Module):
-    """The full-recompute step a host-side sampler runs: ``input_ids [B, S] -> logits [B, S, V]``."""
+    """The full-recompute step a host-side sampler runs: ``input_ids [B, S] -> logits [B, S, V]``.
+
+    Args:
+        model: a ``*ForCausalLM`` (e.g. :func:`tiny_decoder`'s).
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()

@@ -75,9 +75,12 @@ def toy_tokenizer(size: int | None = None):
     JSON pieces (``{"``, ``":``, ``",``, ``true``, ...), two-digit numbers, words with
     and without a leading space or quote, then the stop token (an empty piece).
 
-    ``size``: pad to exactly this many tokens with unique 4-letter filler words (stand-ins
-    for a large BPE vocabulary, e.g. ``size=128256`` for Llama 3's). Returns a
-    :class:`Vocabulary`; its ``eos_id`` is the stop token.
+    Args:
+        size: pad to exactly this many tokens with unique 4-letter filler words (stand-ins for a
+            large BPE vocabulary, e.g. ``size=128256`` for Llama 3's).
+
+    Returns:
+        A :class:`Vocabulary` (the tokenizer protocol); its ``eos_id`` is the stop token.
     """
     texts = list(_JSON_PIECES) + [f"{n:02d}" for n in range(100)]
     for word in _WORDS:
