@@ -295,3 +295,14 @@ def test_the_example_files_are_what_the_cli_takes(name):
     value = json.loads((ROOT / "examples" / name).read_text())
     constraint = S.json_schema(value) if name == "person.json" else S.tool_constraint(value, "required")
     assert constraint is not None
+
+
+ISSUE = re.compile(r"\bissues? #?\d+\b", re.I)
+HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+
+
+def test_the_user_docs_name_no_issue_or_commit():
+    """The README and the site speak to a user: no issue numbers, no commit hashes."""
+    found = [(str(path.relative_to(ROOT)), hit) for path in pages() for pattern in (ISSUE, HASH)
+             for hit in pattern.findall(page_text(path))]
+    assert not found, found
