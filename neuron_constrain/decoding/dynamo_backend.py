@@ -76,10 +76,17 @@ class _Feed(threading.local):
 class Backend:
     """``backend=`` for ``torch.compile``: our passes on each graph, then ``inner``.
 
-    ``inner``: a dynamo backend name ("inductor", "openxla", "eager", ...) or a
-    callable ``(gm, example_inputs) -> callable``. ``pass_options``: keywords of
-    :func:`neuron_constrain.transform` (``logit_mask``, ``vocab_size``,
-    ``empty_row``, ``taps``, ...).
+    Feed the added inputs of a call with ``with backend.feed(logit_mask=...):``; ``reports``
+    holds one :class:`TransformReport` per graph rewritten.
+
+    Args:
+        inner: a dynamo backend name (``"inductor"``, ``"openxla"``, ``"eager"``, ...) or a
+            callable ``(gm, example_inputs) -> callable``.
+        **pass_options: keywords of :func:`neuron_constrain.transform` (``logit_mask``,
+            ``vocab_size``, ``empty_row``, ``taps``, ...).
+
+    Raises:
+        ValueError: ``inner`` names this backend itself (the passes would run twice).
     """
 
     def __init__(self, inner: str | Callable = "inductor", **pass_options):

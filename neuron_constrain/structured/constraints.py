@@ -30,7 +30,16 @@ WHITESPACE = ("none", "compact", "bounded", "any")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Constraint:
-    """What a request's output must match. Build with the functions below (or :func:`tool_constraint`)."""
+    """What a request's output must match. Build with the functions below (or :func:`tool_constraint`).
+
+    Attributes:
+        kind: ``"json_schema"``, ``"json"`` (any JSON), ``"regex"``, ``"choice"``, ``"ebnf"`` or
+            ``"structural_tag"`` (tool calls in free text).
+        spec: the schema, pattern, options or grammar.
+        whitespace: JSON's whitespace mode (see :func:`json_schema`).
+        strict: JSON schema: unlisted properties and items refused.
+        max_whitespace: ``"bounded"``: whitespace characters a gap may hold.
+    """
 
     kind: str  # "json_schema" | "json" | "regex" | "choice" | "ebnf" | "structural_tag"
     spec: Any = None
