@@ -56,7 +56,14 @@ def set_active_context(ctx: Mapping | None) -> None:
 
 
 def get_replacement_tensor(name: str) -> torch.Tensor | None:
-    """The active replacement values for tap ``name``, or None."""
+    """The active replacement values for tap ``name``.
+
+    Args:
+        name: the tap's name.
+
+    Returns:
+        The values of the active context, or ``None`` when the tap is off.
+    """
     entry = (_state.active or {}).get(name)
     return None if entry is None else entry[0]
 
@@ -67,7 +74,11 @@ def active_replacement(name: str) -> Entry | None:
 
 @contextlib.contextmanager
 def active_context(ctx: Mapping | None):
-    """``set_active_context(ctx)`` for the ``with`` block, restoring the previous one after."""
+    """``set_active_context(ctx)`` for the ``with`` block, restoring the previous one after.
+
+    Args:
+        ctx: as :func:`set_active_context` takes it.
+    """
     previous = _state.active
     set_active_context(ctx)
     try:
