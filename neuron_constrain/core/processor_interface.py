@@ -211,7 +211,14 @@ BUILTIN_INPUTS = {
 
 
 def builtin_inputs(name: str) -> list[str]:
-    """The graph inputs of a built-in processor, in the order the pass adds them."""
+    """The graph inputs of a built-in processor, in the order the pass adds them.
+
+    Args:
+        name: a built-in processor (``"min_tokens"``, ``"logit_bias"``, ...).
+
+    Returns:
+        Its input names; empty for a name that is not built in.
+    """
     return [k for k, v in BUILTIN_INPUTS.items() if v[0] == name]
 
 
@@ -295,6 +302,13 @@ class Thinking:
         state = thinking.after(prompt)                      # the prompt may open the thought
         state = thinking.advance(state, token, budget)      # per output token
         left, end_id = thinking.row(state, budget)          # the processor's inputs
+
+    Args:
+        start: the start marker's token ids.
+        end: the end marker's token ids.
+
+    Raises:
+        ProcessorError: a marker that is not a non-empty list of token ids.
     """
 
     def __init__(self, start: Sequence[int], end: Sequence[int]):

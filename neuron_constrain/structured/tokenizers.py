@@ -96,8 +96,18 @@ class TokenizerLike(Protocol):
 class Tokenizer:
     """A real tokenizer behind the protocol. Build with :func:`from_huggingface` or :func:`from_mistral`.
 
-    ``pieces[i]``: the bytes token ``i`` adds to the text (``b""`` for control tokens);
-    ``names[i]``: its printable name (control tokens: ``"[INST]"``) for messages.
+    Args:
+        pieces: ``pieces[i]``, the bytes token ``i`` adds to the text (``b""`` for control tokens).
+        special_ids: the control tokens: never text inside a grammar.
+        stop_token_ids: the tokens that end an answer (the first is ``eos_id``).
+        encode: text -> token ids.
+        decode: token ids -> text (control tokens dropped).
+        names: printable names (control tokens: ``"[INST]"``) for messages.
+        vocab_size: the model's vocabulary, when wider than ``pieces``.
+        source: where it came from, for messages.
+
+    Raises:
+        TokenizerInfoError: a ``vocab_size`` narrower than ``pieces``, or no stop token.
     """
 
     def __init__(
