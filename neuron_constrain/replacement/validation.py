@@ -76,6 +76,19 @@ def capture(model: torch.nn.Module, prompts: Sequence[Sequence[int]], taps: Iter
 
 @dataclasses.dataclass
 class StepResult:
+    """One compared step of :func:`logit_validation`.
+
+    Attributes:
+        prompt: the prompt's index.
+        step: the step (0: the prompt's last position).
+        position: the position compared.
+        max_abs_error: max abs difference of the two models' logits there.
+        topk_agreement: the share of the reference's top-k tokens the model also ranks top-k.
+        token: the model's greedy token.
+        reference_token: the reference's (decoding continues from it).
+        nonfinite_mismatches: logits finite on one side and -inf/NaN on the other.
+    """
+
     prompt: int
     step: int
     position: int
@@ -92,6 +105,14 @@ class StepResult:
 
 @dataclasses.dataclass
 class ValidationReport:
+    """What :func:`logit_validation` found; ``summary()`` prints it.
+
+    Attributes:
+        steps: every compared step.
+        atol: the tolerance the comparison used.
+        top_k: the k of the top-k agreement.
+    """
+
     steps: list[StepResult]
     atol: float
     top_k: int
