@@ -122,7 +122,17 @@ def _fit_width(allowed: torch.Tensor, width: int) -> torch.Tensor:
 def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = None) -> torch.Tensor:
     """A packed (int32) or bool mask -> bool ``[..., width]`` over the logits' columns.
 
-    ``vocab_size`` defaults to ``width``; columns at or past it are disallowed.
+    Args:
+        mask: packed int32 ``[..., ceil(V/32)]`` or bool ``[..., V]``.
+        width: the logits' width (>= V).
+        vocab_size: ``V``; default ``width``. Columns at or past it are disallowed.
+
+    Returns:
+        bool ``[..., width]``.
+
+    Raises:
+        TypeError: a mask neither int32 nor bool.
+        ValueError: a mask wider than the logits, or whose width does not fit ``vocab_size``.
     """
     vocab_size = width if vocab_size is None else vocab_size
     _check_mask(mask, vocab_size)
@@ -132,8 +142,13 @@ def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = Non
 def shard_columns(rank: torch.Tensor, shard_width: int) -> torch.Tensor:
     """int64 ``[shard_width]``: the global vocab columns ``rank * shard_width + arange(shard_width)``.
 
-    ``rank`` is an integer tensor of shape ``[]`` or ``[1]`` (a graph input, so one
-    program serves every rank of a vocab-parallel lm_head).
+    Args:
+        rank: an integer tensor of shape ``[]`` or ``[1]`` (a graph input, so one program serves
+            every rank of a vocab-parallel lm_head).
+        shard_width: columns per rank.
+
+    Returns:
+        int64 ``[shard_width]``.
     """
     start = rank.reshape(-1).to(torch.int64) * shard_width
     return start + torch.arange(shard_width, dtype=torch.int64, device=rank.device)
@@ -148,6 +163,19 @@ def allowed_shard_columns(
     shard_width)``; the mask is gathered at those global columns (the word ``c // 32``,
     ANDed with the bit ``c % 32``), so a shard may start mid-word. Columns at or past
     ``vocab_size`` (the padded last shard, a padded lm_head) are disallowed.
+
+    Args:
+        mask: the full mask, packed int32 or bool.
+        shard_width: columns per rank.
+        vocab_size: the full vocabulary.
+        rank: this rank's index (``[]`` or ``[1]``).
+
+    Returns:
+        bool ``[..., shard_width]``.
+
+    Raises:
+        TypeError: a mask neither int32 nor bool.
+        ValueError: a mask whose width does not fit ``vocab_size``.
     """
     _check_mask(mask, vocab_size)
     columns = shard_columns(rank, shard_width)
@@ -226,6 +254,17 @@ def empty_rows(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
     For a packed mask this reads the words, not the unpacked bits (32x less work):
     the last word is ANDed with the bits that lie below ``vocab_size``.
+
+    Args:
+        mask: packed int32 or bool.
+        vocab_size: ``V``.
+
+    Returns:
+        bool ``[...]``.
+
+    Raises:
+        TypeError: a packed mask that is not int32.
+        ValueError: a packed mask whose width does not fit ``vocab_size``.
     """
     if mask.dtype == torch.bool:
         return mask[..., :vocab_size].any(-1).logical_not()
