@@ -81,7 +81,18 @@ CONTRACT = PassContract(name="split_at_mask", options=("head_inputs", "cut"), re
 
 @dataclasses.dataclass(kw_only=True)
 class SplitReport(PassReport):
-    """What the split cut: values crossing it, and the head's size."""
+    """What the split cut: values crossing it, and the head's size (besides a pass report's fields).
+
+    Attributes:
+        cut: ``{"name", "dtype", "shape"}`` per value crossing the cut: the body's outputs, the
+            head's positional inputs.
+        head_inputs: the head's keyword inputs: body inputs it reads, then the added ones.
+        head_ops: operator nodes in the head.
+        body_ops: operator nodes in the body.
+        head_bytes_in: bytes the head takes in per call, at the exported sizes.
+        head_state: parameters, buffers and constants the head holds a copy of.
+        rebuilt: input-free code and sizes recomputed in the head instead of shipped.
+    """
 
     cut: list[dict]  # {"name", "dtype", "shape"}: body outputs = head's positional inputs
     head_inputs: list[str]  # keyword inputs of the head: body inputs it reads, then the added ones

