@@ -134,7 +134,7 @@ def cached_loop(decoder: CachedDecoder, requests, max_new_tokens: int, jump_forw
 
     Args:
         decoder: the cached decoder.
-        requests: the requests' state (``structured.requests``), updated in place.
+        requests: the requests' state as ``generate`` passes it (sequences, masks, accepts), updated in place.
         max_new_tokens: the most tokens an answer may have.
         jump_forward: ``None``, ``"exact"`` or ``"canonical"``.
         temperature: sample at this temperature (``None``: greedy).
