@@ -15,7 +15,18 @@ ARCHITECTURES = ("llama", "mixtral", "gpt_oss", "qwen3", "qwen2", "mistral")
 
 
 def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, layers: int = 2, **overrides):
-    """A small config of a real architecture (eager attention off: sdpa, as deployed)."""
+    """A small config of a real architecture (eager attention off: sdpa, as deployed).
+
+    Args:
+        arch: one of ``ARCHITECTURES``.
+        vocab_size: the model's vocabulary.
+        hidden_size: its hidden size.
+        layers: its decoder layers.
+        **overrides: any other config field.
+
+    Returns:
+        The transformers config.
+    """
     import transformers
 
     common = dict(
@@ -156,11 +167,32 @@ class TopKMultinomialStep(torch.nn.Module):
 
 
 def random_ids(batch: int, seq: int, vocab_size: int, *, seed: int = 0) -> torch.Tensor:
+    """Seeded random token ids.
+
+    Args:
+        batch: rows.
+        seq: tokens a row.
+        vocab_size: ids are below it.
+        seed: the generator's seed.
+
+    Returns:
+        int64 ``[batch, seq]``.
+    """
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq), generator=generator)
 
 
 def exponential_noise(batch: int, width: int, *, seed: int = 0) -> torch.Tensor:
+    """Seeded Exponential(1) noise, the ``noise`` input of the sampling steps.
+
+    Args:
+        batch: rows.
+        width: the logits' width.
+        seed: the generator's seed.
+
+    Returns:
+        float32 ``[batch, width]``.
+    """
     generator = torch.Generator().manual_seed(seed)
     return torch.empty(batch, width).exponential_(generator=generator)
 

@@ -144,8 +144,15 @@ def force(engine, compiled, tokens: Sequence[int], *, buffer: torch.Tensor | Non
 
 
 def weather_tool(max_location: int = 10, *, strict: bool = True) -> dict:
-    """An OpenAI function tool (``get_weather(location, unit)``) for tests and the demo;
-    ``max_location`` bounds the location string so a random model's answer ends."""
+    """An OpenAI function tool (``get_weather(location, unit)``) for tests and the demo.
+
+    Args:
+        max_location: bounds the location string, so a random model's answer ends.
+        strict: the tool's ``strict`` flag.
+
+    Returns:
+        The tool, as OpenAI's ``tools`` list takes it.
+    """
     parameters = {
         "type": "object",
         "properties": {"location": {"type": "string", "maxLength": max_location},
