@@ -148,7 +148,7 @@ def weather_tool(max_location: int = 10, *, strict: bool = True) -> dict:
 
     Args:
         max_location: bounds the location string, so a random model's answer ends.
-        strict: the tool's ``strict`` flag.
+        strict: its parameters refuse properties they do not list (``additionalProperties: false``).
 
     Returns:
         The tool, as OpenAI's ``tools`` list takes it.
