@@ -71,6 +71,12 @@ class KVCache(torch.nn.Module):
     The slot past ``max_len`` is never written nor attended: with it every attention
     window is a strict prefix of the buffer, so export sees one case (a window equal
     to the whole buffer would be a contiguous view, and a guard on that size).
+
+    Args:
+        config: the model's transformers config (layers, key/value heads, head size).
+        max_batch: rows.
+        max_len: slots a row.
+        dtype: the buffers' dtype.
     """
 
     def __init__(self, config, *, max_batch: int, max_len: int, dtype: torch.dtype):

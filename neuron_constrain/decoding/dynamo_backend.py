@@ -244,6 +244,14 @@ class TorchCompiled:
     ``compiled(*args, logit_mask=mask, **kwargs)``: keywords the model's forward
     does not take, and any input a pass added, are fed to the compiled graph (an
     omitted one gets its neutral value); the rest go to the model.
+
+    Args:
+        model: the module or function compiled.
+        backend: the :class:`Backend` running the passes.
+        **compile_options: keywords of ``torch.compile`` (``fullgraph``, ``mode``...).
+
+    Raises:
+        InputError: on a call, a keyword neither the model nor any pass takes.
     """
 
     def __init__(self, model: Callable, backend: Backend, **compile_options):

@@ -131,6 +131,12 @@ class SamplingStep(torch.nn.Module):
     step is deterministic given its inputs (how on-device samplers take randomness).
     The graph has the usual sampling ops: ``div`` (temperature), ``sort`` + ``cumsum``
     (top-k/top-p), ``softmax`` and ``argmax(probs / noise)``.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        temperature: the sampler's temperature.
+        top_k: its top-k.
+        top_p: its top-p.
     """
 
     def __init__(self, model: torch.nn.Module, *, temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9):
@@ -152,7 +158,12 @@ class SamplingStep(torch.nn.Module):
 
 
 class TopKMultinomialStep(torch.nn.Module):
-    """Sampling with ``topk`` + ``softmax`` + ``multinomial`` (random: seed before calling)."""
+    """Sampling with ``topk`` + ``softmax`` + ``multinomial`` (random: seed before calling).
+
+    Args:
+        model: a ``*ForCausalLM``.
+        top_k: the candidates ``multinomial`` draws from.
+    """
 
     def __init__(self, model: torch.nn.Module, *, top_k: int = 20):
         super().__init__()
@@ -201,7 +212,11 @@ class ForcedStep(torch.nn.Module):
     """Greedy step with an additive ``bias [B, V]`` before the argmax: teacher forcing
     through a compiled graph. With ``bias = big * one_hot(token)`` the step returns
     ``token`` exactly when the logit mask allows it, so a wrong bit, row or reorder in
-    the mask fed to the graph shows up as a different token."""
+    the mask fed to the graph shows up as a different token.
+
+    Args:
+        model: a ``*ForCausalLM``.
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -230,6 +245,11 @@ class DraftHeadStep(torch.nn.Module):
 
     The draft head is its own projection of the last hidden state (``draft_vocab``
     columns, default the model's vocabulary), followed by its own argmax.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        draft_vocab: the draft head's width (default: the model's vocabulary).
+        seed: the draft head's random weights.
     """
 
     def __init__(self, model: torch.nn.Module, draft_vocab: int | None = None, seed: int = 1):

@@ -21,6 +21,11 @@ class VocabShardedGreedyStep(torch.nn.Module):
     ``input_ids [B, S] -> (value [B], index [B])``: the max of this rank's shard of the
     last logits and its column within the shard (``max.dim``, the sampling site the
     mask-logits pass masks before). :func:`greedy_across_ranks` picks the token.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        rank: this rank.
+        world_size: the ranks the vocabulary is split over.
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, world_size: int):
@@ -72,6 +77,11 @@ class CachedGreedyStep(torch.nn.Module):
     tensors registered as buffers and written in place at ``cache_position``. Export
     it strict (HF's default; non-strict lifts the cache as constants) and run it under
     ``no_grad``. The batch is fixed at ``batch_size``; feed a prompt one token a step.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        batch_size: the fixed batch.
+        max_cache_len: cache slots a row.
     """
 
     def __init__(self, model: torch.nn.Module, *, batch_size: int, max_cache_len: int = 64):
@@ -100,7 +110,16 @@ class CachedGreedyStep(torch.nn.Module):
 
 class CachedSamplingStep(CachedGreedyStep):
     """:class:`CachedGreedyStep` with ``SamplingStep``'s sampler (:func:`sample_race`):
-    ``input_ids [B, 1], cache_position [1], noise [B, V] -> token [B]``."""
+    ``input_ids [B, 1], cache_position [1], noise [B, V] -> token [B]``.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        batch_size: the fixed batch.
+        max_cache_len: cache slots a row.
+        temperature: the sampler's temperature.
+        top_k: its top-k.
+        top_p: its top-p.
+    """
 
     def __init__(self, model, *, batch_size: int, max_cache_len: int = 64,
                  temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9):
@@ -157,6 +176,12 @@ class TokenGenerationStep(torch.nn.Module):
     ``exp``, ``sum``); the sampler is :func:`sample_top_k_top_p`. The weights are a
     Llama-family ``*ForCausalLM``'s (llama, mistral, qwen2), so the logits equal the
     model's own. A bucket is one exported program per ``bucket`` length.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        batch_size: the fixed batch.
+        bucket: the cache length of this bucket.
+        global_top_k: the sampler's first ``topk`` width.
     """
 
     def __init__(self, model: torch.nn.Module, *, batch_size: int, bucket: int, global_top_k: int = 16):

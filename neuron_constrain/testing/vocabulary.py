@@ -35,6 +35,10 @@ class Vocabulary:
     ``pieces[i]`` is the bytes of token ``i``; the stop token is ``b""`` (an empty piece
     is special, so it never matches text). A real tokenizer's ``from_huggingface(...).info``,
     or a user-built ``xgrammar.TokenizerInfo``, plugs into :class:`StructuredRuntime` the same way.
+
+    Args:
+        pieces: ``pieces[i]``, the bytes of token ``i``; the stop token's is ``b""``.
+        eos_id: the stop token.
     """
 
     def __init__(self, pieces: Sequence[bytes], *, eos_id: int):
