@@ -238,13 +238,22 @@ def _round_up(value: int, step: int, limit: int) -> int:
 class CachedDecoder:
     """The prefill and step programs of one model over one cache (see the module docstring).
 
-    ``prefill`` and each of ``steps`` (keyed by the tokens a row they take: 1 for
-    decoding, k + 1 to verify k drafts) are :class:`~neuron_constrain.core.transform.Transformed`;
-    ``cache``: the tensors they all read and write in place. ``run_*`` return
-    ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords such as
-    ``logit_mask=`` pass through). ``length_bucket`` / ``window_bucket``: the prefill
-    length and the attention window are rounded up to multiples of these (the shapes an
-    AOT backend compiles once each). Built by :func:`export_decoder`.
+    ``run_*`` return ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords
+    such as ``logit_mask=`` pass through). Built by :func:`export_decoder`.
+
+    Attributes:
+        prefill: the prefill program (a :class:`~neuron_constrain.core.transform.Transformed`).
+        steps: the step programs, keyed by the tokens a row they take (1 for decoding, k + 1 to
+            verify k drafts).
+        cache: the tensors they all read and write in place.
+        max_batch: cache rows.
+        max_len: cache slots a row.
+        length_bucket: the prefill length is rounded up to a multiple of it (the shapes an AOT
+            backend compiles once each); ``window_bucket`` likewise for the attention window.
+        sampled: the programs take noise and temperature.
+        compiled: ``None`` (eager), ``"inductor"`` or ``"xla"``.
+        packages: with ``"inductor"``, program name -> its package (``.pt2``).
+        eager: a compiled decoder's eager twin (the reference).
 
     Raises:
         ValueError: on a run, what the programs would index out of range (token ids past the

@@ -228,7 +228,18 @@ class ForcedStep(torch.nn.Module):
 
 
 def sample_race(logits: torch.Tensor, noise: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``SamplingStep``'s sampler on ``logits [B, V]``: temperature, top-k, top-p, exponential race."""
+    """``SamplingStep``'s sampler on ``logits [B, V]``: temperature, top-k, top-p, exponential race.
+
+    Args:
+        logits: ``[B, V]``.
+        noise: ``[B, V]`` Exponential(1) (:func:`exponential_noise`).
+        temperature: the temperature.
+        top_k: the top-k.
+        top_p: the top-p.
+
+    Returns:
+        ``[B]``: the sampled tokens.
+    """
     scaled = logits / temperature
     ordered, order = scaled.sort(dim=-1, descending=True)
     probs = ordered.softmax(-1)

@@ -121,8 +121,19 @@ def force(engine, compiled, tokens: Sequence[int], *, buffer: torch.Tensor | Non
     """Teacher forcing through a grammar engine: whether a fresh matcher of ``compiled``
     takes ``tokens`` and then a stop token (``stop=False``: whether they are a prefix),
     each one checked against the mask filled before it (the bit the graph reads) and by
-    ``accept_token``. ``times``: per token taken, ``(fill + accept seconds, fill seconds)``
-    is appended."""
+    ``accept_token``.
+
+    Args:
+        engine: a grammar engine (``structured.engines``).
+        compiled: a constraint it compiled.
+        tokens: the tokens to force.
+        buffer: the mask buffer to fill (default: a fresh one).
+        times: per token taken, ``(fill + accept seconds, fill seconds)`` is appended.
+        stop: also require a stop token after ``tokens``.
+
+    Returns:
+        Whether the grammar took them.
+    """
     import time
 
     clock = time.perf_counter
