@@ -8,9 +8,8 @@ with grammars compiled off the critical path and failures kept to their request.
     result = runtime.accept_rows(batch, tokens)              # result.finished, result.failed {id: error}
     runtime.error("r1")                                      # why a request failed, or None
 
-The parts: ``compile_cache.py`` (the one cache of compiled grammars, and the thread pool),
-``layout.py`` (which row each request owns: a pure function of the batch and the
-request states, reused while neither changes), and here the fill and the accept.
+The parts: ``compile_cache.py`` (the compiled grammars, the thread pool), ``layout.py`` (which
+row each request owns, reused while the batch and its states hold), here the fill and accept.
 
 Failures stay with their request: a constraint that does not parse or compile (``add`` never
 raises for what a constraint says), a compilation past its limit, a fill that raises or hangs, a
@@ -61,7 +60,12 @@ from neuron_constrain.core.transform import Transformed
 
 @dataclasses.dataclass
 class Accepted:
-    """What ``accept_rows`` did: every request of the batch is in exactly one of these or advanced."""
+    """What ``accept_rows`` did: every request of the batch is in exactly one of these or advanced.
+
+    Attributes:
+        finished: requests this token finished (a stop token accepted).
+        failed: request id -> its :class:`RequestFailedError`, each failure returned once.
+    """
 
     finished: list  # requests this token finished (a stop token accepted)
     failed: dict  # request id -> its RequestFailedError, each failure returned once
@@ -95,21 +99,17 @@ class StructuredRuntime:
             ``"xgrammar"`` or ``"llguidance"``.
         fill_threads: threads of the engine's batch fill, without the GIL (default: 1 on a host of
             <= 2 cores, whose other core the model's step wants; else up to 8).
-        compile_workers: threads compiling constraints, each once (a repeated one is free:
-            ``cache_hits``), and as many more for large constraints (``lanes.py``).
+        compile_workers: threads compiling constraints, each once (then cached), and as many for large ones.
         compile_timeout: seconds a compilation may take from its start, not while it waits in the
             queue (``limits.compile_seconds``); a request's own ``timeout`` may be shorter.
         cache_size: compiled grammars kept.
         parallel_min_rows: from this many rows on, fills run on ``fill_threads`` threads.
-        fill_timeout: seconds before a fill thread is abandoned; the runtime then moves to a fresh
-            buffer, so no model reads a row a straggler writes.
+        fill_timeout: seconds before a fill thread is abandoned (then a fresh buffer is used).
         jump_forward: ``"exact"`` or ``"canonical"``: the mode of :meth:`forced_runs`.
-        limits: what one request may cost (:class:`~neuron_constrain.structured.limits.Limits`):
-            structural limits checked before anything reads a constraint; a fill past ``fill_ms``
-            for one token ends its request (``budget_ended``) or fails it.
-        compile_isolation: ``"process"`` (the default): xgrammar, which cannot cancel a
-            compilation, compiles in worker processes killed past ``compile_seconds`` or
-            ``compile_memory_mb``.
+        limits: what one request may cost (:class:`~neuron_constrain.structured.limits.Limits`),
+            checked first; a fill past ``fill_ms`` ends its request (``budget_ended``) or fails it.
+        compile_isolation: ``"process"`` (the default): xgrammar compiles in worker processes,
+            killed past ``compile_seconds`` or ``compile_memory_mb`` (it cannot cancel).
 
     Raises:
         ValueError: a bad option (``max_rows=0``, ``fill_threads=0``, ``compile_timeout=-1``...).
