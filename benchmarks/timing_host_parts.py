@@ -1,4 +1,4 @@
-"""Where the batch-1 host time between masks goes, part by part (the account under the README's engine table).
+"""Where the batch-1 host time between masks goes, part by part (benchmarks/RESULTS.md, grammar engines).
 
     python benchmarks/timing_host_parts.py [--engine auto xgrammar llguidance] [--reps 9] [--number 20000]
 

@@ -37,7 +37,17 @@ __all__ = [
 
 
 def packed_width(vocab_size: int) -> int:
-    """Number of int32 words that hold ``vocab_size`` bits."""
+    """Number of int32 words that hold ``vocab_size`` bits.
+
+    Args:
+        vocab_size: the vocabulary.
+
+    Returns:
+        ``ceil(vocab_size / 32)``.
+
+    Raises:
+        ValueError: ``vocab_size`` is not positive.
+    """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
@@ -76,7 +86,19 @@ def _check_mask(mask: torch.Tensor, vocab_size: int) -> None:
 
 
 def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed)."""
+    """int32 ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed).
+
+    Args:
+        packed: xgrammar's bitmask.
+        vocab_size: ``V``.
+
+    Returns:
+        The bool mask.
+
+    Raises:
+        TypeError: ``packed`` is not int32.
+        ValueError: its width is not ``ceil(V/32)``.
+    """
     _check_packed(packed, vocab_size)
     bits = torch.bitwise_and(packed.unsqueeze(-1), _bit_values(packed.device)) != 0
     return bits.flatten(-2)[..., :vocab_size]
@@ -100,7 +122,17 @@ def _fit_width(allowed: torch.Tensor, width: int) -> torch.Tensor:
 def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = None) -> torch.Tensor:
     """A packed (int32) or bool mask -> bool ``[..., width]`` over the logits' columns.
 
-    ``vocab_size`` defaults to ``width``; columns at or past it are disallowed.
+    Args:
+        mask: packed int32 ``[..., ceil(V/32)]`` or bool ``[..., V]``.
+        width: the logits' width (>= V).
+        vocab_size: ``V``; default ``width``. Columns at or past it are disallowed.
+
+    Returns:
+        bool ``[..., width]``.
+
+    Raises:
+        TypeError: a mask neither int32 nor bool.
+        ValueError: a mask wider than the logits, or whose width does not fit ``vocab_size``.
     """
     vocab_size = width if vocab_size is None else vocab_size
     _check_mask(mask, vocab_size)
@@ -110,8 +142,13 @@ def allowed_columns(mask: torch.Tensor, width: int, vocab_size: int | None = Non
 def shard_columns(rank: torch.Tensor, shard_width: int) -> torch.Tensor:
     """int64 ``[shard_width]``: the global vocab columns ``rank * shard_width + arange(shard_width)``.
 
-    ``rank`` is an integer tensor of shape ``[]`` or ``[1]`` (a graph input, so one
-    program serves every rank of a vocab-parallel lm_head).
+    Args:
+        rank: an integer tensor of shape ``[]`` or ``[1]`` (a graph input, so one program serves
+            every rank of a vocab-parallel lm_head).
+        shard_width: columns per rank.
+
+    Returns:
+        int64 ``[shard_width]``.
     """
     start = rank.reshape(-1).to(torch.int64) * shard_width
     return start + torch.arange(shard_width, dtype=torch.int64, device=rank.device)
@@ -126,6 +163,19 @@ def allowed_shard_columns(
     shard_width)``; the mask is gathered at those global columns (the word ``c // 32``,
     ANDed with the bit ``c % 32``), so a shard may start mid-word. Columns at or past
     ``vocab_size`` (the padded last shard, a padded lm_head) are disallowed.
+
+    Args:
+        mask: the full mask, packed int32 or bool.
+        shard_width: columns per rank.
+        vocab_size: the full vocabulary.
+        rank: this rank's index (``[]`` or ``[1]``).
+
+    Returns:
+        bool ``[..., shard_width]``.
+
+    Raises:
+        TypeError: a mask neither int32 nor bool.
+        ValueError: a mask whose width does not fit ``vocab_size``.
     """
     _check_mask(mask, vocab_size)
     columns = shard_columns(rank, shard_width)
@@ -153,6 +203,20 @@ def apply_bitmask(
     rank's vocab shard of a vocab-parallel lm_head (``mask`` stays the full mask).
     ``empty_token``: a row whose mask allows nothing allows exactly this token.
     This is the kernel the mask-logits pass inserts.
+
+    Args:
+        logits: ``[..., width]``.
+        mask: packed int32 ``[..., ceil(V/32)]`` or bool ``[..., V]``.
+        vocab_size: ``V``; default the logits' width.
+        rank: this rank's index (int ``[1]``) when the logits are a vocab shard.
+        empty_token: the token a row allowing nothing allows instead.
+
+    Returns:
+        The masked logits (a new tensor).
+
+    Raises:
+        TypeError: a mask that is neither int32 nor bool.
+        ValueError: a mask whose width does not fit ``vocab_size``.
     """
     width = logits.shape[-1]
     vocab_size = width if vocab_size is None else vocab_size
@@ -190,6 +254,17 @@ def empty_rows(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
     For a packed mask this reads the words, not the unpacked bits (32x less work):
     the last word is ANDed with the bits that lie below ``vocab_size``.
+
+    Args:
+        mask: packed int32 or bool.
+        vocab_size: ``V``.
+
+    Returns:
+        bool ``[...]``.
+
+    Raises:
+        TypeError: a packed mask that is not int32.
+        ValueError: a packed mask whose width does not fit ``vocab_size``.
     """
     if mask.dtype == torch.bool:
         return mask[..., :vocab_size].any(-1).logical_not()
@@ -211,6 +286,14 @@ def masked_argmax(
     the logits, so no bool mask is materialised. A row whose mask allows nothing
     gets ``empty=True`` (and a meaningless token): the caller decides, never token 0
     in silence.
+
+    Args:
+        logits: ``[..., width]``.
+        packed: xgrammar's int32 bitmask ``[..., ceil(V/32)]``.
+        vocab_size: ``V``; default the logits' width.
+
+    Returns:
+        ``(tokens, empty)``: the best allowed token per row, and whether the row allowed none.
     """
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
     tokens = apply_bitmask(logits, packed, vocab_size).argmax(-1)
@@ -221,7 +304,17 @@ def masked_argmax(
 
 
 def pack_bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool ``[..., V]`` -> xgrammar int32 ``[..., ceil(V/32)]`` (bits past V are 0)."""
+    """bool ``[..., V]`` -> xgrammar int32 ``[..., ceil(V/32)]`` (bits past V are 0).
+
+    Args:
+        mask: True where a token is allowed.
+
+    Returns:
+        The packed bitmask, as ``xgrammar.allocate_token_bitmask`` lays it out.
+
+    Raises:
+        TypeError: ``mask`` is not bool.
+    """
     if mask.dtype != torch.bool:
         raise TypeError(f"pack_bool_mask wants a bool mask, got {mask.dtype}")
     vocab_size = mask.shape[-1]

@@ -92,6 +92,24 @@ def mask_logits_pass(
     empty_row: str | int = "flag",
     tp_degree: int = 1,
 ) -> PassResult:
+    """Add a ``logit_mask`` input per head and mask the logits right before sampling.
+
+    See the module docstring for the graph before and after, and the options in detail.
+
+    Args:
+        program: the exported program.
+        mask_format: ``"packed"`` (xgrammar's int32 bitmask) or ``"bool"``.
+        vocab_size: the tokenizer's vocabulary (default: the logits' width), or one per head.
+        empty_row: ``"flag"`` (a ``logit_mask_empty`` output) or the token an empty row allows.
+        tp_degree: ranks of a vocab-parallel lm_head (adds ``tp_rank``).
+
+    Returns:
+        The masked program and its report (sites found, nodes inserted, inputs added).
+
+    Raises:
+        TransformError: an unknown format, a bad ``empty_row`` or ``tp_degree``, a program already
+            masked, no sampling site, or a ``vocab_size`` wider than the logits.
+    """
     if mask_format not in MASK_FORMATS:
         raise TransformError(f"logit_mask={mask_format!r} is not a mask format; use one of {MASK_FORMATS} or None")
     refuse_if_present(program, [MASK_INPUT], pass_name="logit-mask")

@@ -146,6 +146,27 @@ def process_logits_pass(
     max_penalty_tokens: int = DEFAULT_WIDTHS["max_penalty_tokens"],
     num_speculative_tokens: int = 0,
 ) -> PassResult:
+    """Run logits processors in the graph after the mask, fed per row by ``ProcessorState``.
+
+    See the module docstring for the graph before and after.
+
+    Args:
+        program: the exported (and masked) program, with one head.
+        processors: built-in names or custom processors (:func:`resolve_processors`).
+        vocab_size: the tokenizer's vocabulary (default: the logits' width).
+        empty_row: as the mask pass's: the rule also holds after the processors.
+        max_stop_tokens: fixed per-row width of min_tokens' stop ids.
+        max_bias_tokens: fixed per-row width of logit_bias's ids.
+        max_penalty_tokens: fixed per-row width of the distinct tokens penalties see.
+        num_speculative_tokens: above 0, only processors that force or forbid tokens.
+
+    Returns:
+        The program and its report (the processors per site, those pruned before a greedy argmax).
+
+    Raises:
+        TransformError: an unknown or disallowed processor, a graph with several heads, a width
+            below 1, a program already processed.
+    """
     try:
         procs = resolve_processors(processors, num_speculative_tokens=num_speculative_tokens)
     except ProcessorError as exc:

@@ -81,7 +81,18 @@ CONTRACT = PassContract(name="split_at_mask", options=("head_inputs", "cut"), re
 
 @dataclasses.dataclass(kw_only=True)
 class SplitReport(PassReport):
-    """What the split cut: values crossing it, and the head's size."""
+    """What the split cut: values crossing it, and the head's size (besides a pass report's fields).
+
+    Attributes:
+        cut: ``{"name", "dtype", "shape"}`` per value crossing the cut: the body's outputs, the
+            head's positional inputs.
+        head_inputs: the head's keyword inputs: body inputs it reads, then the added ones.
+        head_ops: operator nodes in the head.
+        body_ops: operator nodes in the body.
+        head_bytes_in: bytes the head takes in per call, at the exported sizes.
+        head_state: parameters, buffers and constants the head holds a copy of.
+        rebuilt: input-free code and sizes recomputed in the head instead of shipped.
+    """
 
     cut: list[dict]  # {"name", "dtype", "shape"}: body outputs = head's positional inputs
     head_inputs: list[str]  # keyword inputs of the head: body inputs it reads, then the added ones
@@ -197,6 +208,25 @@ def _copy_nodes(graph: torch.fx.Graph, nodes, env: dict) -> None:
 def split_at_mask_pass(
     program: ExportedProgram, head_inputs: Sequence[str], *, cut: str = "logits"
 ) -> PassResult:
+    """Cut a rewritten step into a body and a head at the mask.
+
+    The head is exactly the nodes that depend on ``head_inputs``; the body everything else.
+    See the module docstring.
+
+    Args:
+        program: a rewritten step (the mask pass has run).
+        head_inputs: the inputs the head takes (``logit_mask``, ``tp_rank``, processor inputs).
+        cut: ``"logits"`` (the last logits cross the cut) or ``"hidden"`` (the last hidden rows
+            cross it and the head holds the lm_head).
+
+    Returns:
+        ``PassResult(body, report, {"head": head})``: ``head(*body(...), **head_inputs)`` returns
+        exactly the unsplit step's outputs.
+
+    Raises:
+        TransformError: an unknown cut, head inputs the program does not take, or a KV-cache
+            write that depends on the mask.
+    """
     if cut not in CUTS:
         raise TransformError(f"split_at_mask: cut={cut!r}; use one of {CUTS} (after the lm_head, or before it)")
     head_inputs = list(dict.fromkeys(head_inputs))

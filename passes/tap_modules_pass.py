@@ -100,6 +100,23 @@ def _module_outputs(editor: ProgramEditor, path: str) -> list[torch.fx.Node | No
 def tap_modules_pass(
     program: ExportedProgram, taps: Sequence[str | Tap], *, sequence_parallel: int = 1
 ) -> PassResult:
+    """Give each tapped module's output a replacement input and a per-row enable flag.
+
+    Every reader of the tapped value, inside the module too, reads
+    ``where(enabled, replacement, computed)``; see the module docstring for the graph.
+
+    Args:
+        program: the exported program (its tapped modules' call signatures preserved).
+        taps: module path patterns or :class:`~neuron_constrain.Tap` objects.
+        sequence_parallel: ranks the tapped values' token dim is split over (adds ``tap_rank``).
+
+    Returns:
+        The tapped program and its report (the inputs and outputs added).
+
+    Raises:
+        TransformError: no taps, a pattern that matches no module, a bad ``sequence_parallel``,
+            or a program already tapped.
+    """
     taps = as_taps(taps)
     if not taps:
         raise TransformError("taps is empty: name at least one module pattern, e.g. 'model.layers.*.mlp.router'")

@@ -1,12 +1,18 @@
-"""Every ``python`` code block of the README runs, on tiny random-weight models.
+"""Every code block of the README and the docs (``docs/**/*.md``) runs, or says why it does not.
 
-A block's free names (``bitmask``, ``model``, ``prompts`` ...) are what a reader
-already has; ``GIVEN`` below supplies them per section, built here on tiny
-decoders. A block whose section has no entry in ``GIVEN`` runs as it is, so a new
-block either runs on its own or gets its givens here: the docs cannot drift.
+A ``python`` block runs on tiny random-weight models. Its free names (``bitmask``, ``model``,
+``prompts`` ...) are what a reader already has; ``GIVEN`` below supplies them per section
+(the heading above the block), built here on tiny decoders. A block whose section has no entry
+in ``GIVEN`` runs as it is, so a new block either runs on its own or gets its givens here: the
+docs cannot drift. A block that cannot run here (a shell command that starts a server, a
+workflow file, an error message) is preceded by ``<!-- not run: REASON -->``; every block of
+another language must be. A page's ``--8<-- "PATH"`` line (the docs' include) counts as the
+included file's text, so ARCHITECTURE.md and benchmarks/RESULTS.md are checked where the site
+shows them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -14,20 +20,48 @@ import re
 import pytest
 from conftest import require_torch_xla
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 HEADING = re.compile(r"^#+ (.+)$", re.M)
+NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\n\Z")
+INCLUDE = re.compile(r'^--8<-- "(.+?)"$', re.M)
 VOCAB = 1000
 
 
-def blocks() -> list[tuple[str, str]]:
-    """(section heading, code) for every python block, in README order."""
-    text = README.read_text()
+def pages() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def page_text(path: pathlib.Path) -> str:
+    """The page as the site shows it: includes expanded (lines outside fences only)."""
+    return INCLUDE.sub(lambda m: (ROOT / m.group(1)).read_text(), path.read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: str  # relative to the repository
+    section: str  # the heading above it
+    language: str
+    code: str
+    not_run: str | None  # the reason, when marked
+
+
+def all_blocks() -> list[Block]:
+    """Every fenced block of every page, in page order."""
     found = []
-    for match in FENCE.finditer(text):
-        headings = HEADING.findall(text, 0, match.start())
-        found.append((headings[-1] if headings else "", match.group(1)))
+    for path in pages():
+        text = page_text(path)
+        for match in FENCE.finditer(text):
+            headings = HEADING.findall(text, 0, match.start())
+            reason = NOT_RUN.search(text, 0, match.start())
+            found.append(Block(str(path.relative_to(ROOT)), headings[-1] if headings else "", match.group(1),
+                               match.group(2), reason.group(1) if reason else None))
     return found
+
+
+def blocks() -> list[tuple[str, str]]:
+    """(section heading, code) for every python block that runs, in page order."""
+    return [(b.section, b.code) for b in all_blocks() if b.language == "python" and b.not_run is None]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +83,19 @@ def _bitmask(rows: int):
 
 def given_use():
     return {"bitmask": _bitmask(4)}
+
+
+@functools.lru_cache(maxsize=None)
+def _first_answer():
+    """The "A first constrained answer" block, run once: its ``S``, ``decoder`` and ``tok``."""
+    code = next(code for section, code in blocks() if section == "A first constrained answer")
+    namespace = _base()
+    exec(compile(code, "docs [A first constrained answer]", "exec"), namespace)
+    return {name: namespace[name] for name in ("S", "decoder", "tok")}
+
+
+def given_tool_calling():
+    return dict(_first_answer())
 
 
 def given_tensor_parallel():
@@ -123,7 +170,7 @@ def _real_tokenizers():
     build on it): its ``S``, ``model`` (a rewritten program, no state between runs) and ``tok``."""
     code = next(code for section, code in blocks() if section == "Real tokenizers")
     namespace = _base()
-    exec(compile(code, "README.md [Real tokenizers]", "exec"), namespace)
+    exec(compile(code, "docs [Real tokenizers]", "exec"), namespace)
     return namespace["S"], namespace["model"], namespace["tok"]
 
 
@@ -184,17 +231,18 @@ def given_pipeline():
 
 
 GIVEN = {
-    "Grammar off the critical path (split at the mask, pipelined step)": given_pipeline,
+    "Grammar off the critical path": given_pipeline,
     "Choosing a grammar engine": given_engines,
     "Failures stay with their request": given_failures,
-    "Use": given_use,
+    "Rewrite a decoder step": given_use,
+    "Tool calling": given_tool_calling,
     "Tensor parallel (vocab-parallel lm_head)": given_tensor_parallel,
-    "Replacement taps (accuracy debugging)": given_taps,
+    "Replacement taps and localize": given_taps,
     "Finding the first diverging module": given_localize,
     "torch.compile backend": given_compile,
     "XLA and Neuron": given_xla,
     "Logits processors": given_processors,
-    "Reasoning models: a thought, then the answer's grammar": given_reasoning,
+    "Reasoning models": given_reasoning,
 }
 NEEDS = {"XLA and Neuron": "torch_xla"}  # blocks that need a package only one lane has
 
@@ -208,9 +256,53 @@ def test_readme_block_runs(section, code, tmp_path, monkeypatch):
     if section in GIVEN:
         namespace.update(GIVEN[section]())
     code = code.replace("dynamic_shapes=...", "dynamic_shapes=None")  # an ellipsis the reader fills in
-    exec(compile(code, f"README.md [{section}]", "exec"), namespace)
+    exec(compile(code, f"docs [{section}]", "exec"), namespace)
 
 
 def test_every_section_with_givens_still_has_a_block():
     sections = {s for s, _ in blocks()}
-    assert set(GIVEN) <= sections, f"GIVEN names sections the README no longer has: {set(GIVEN) - sections}"
+    assert set(GIVEN) <= sections, f"GIVEN names sections the docs no longer have: {set(GIVEN) - sections}"
+
+
+def test_every_block_runs_or_says_why_not():
+    unmarked = [f"{b.page} [{b.section}] ```{b.language}" for b in all_blocks()
+                if b.language != "python" and b.not_run is None]
+    assert not unmarked, f"blocks that neither run nor say why (add <!-- not run: REASON --> before them): {unmarked}"
+    assert any(b.language == "python" and b.not_run is None for b in all_blocks())
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:examples|benchmarks|docs)/[\w./-]+\.\w+)")
+
+
+def test_the_readme_links_and_files_exist():
+    """What the README points a newcomer at exists: its relative links, and every repository file a
+    command in it names (``--schema examples/person.json``)."""
+    text = (ROOT / "README.md").read_text()
+    links = [link for link in LINK.findall(text) if "://" not in link]
+    assert links and all((ROOT / link).exists() for link in links), [l for l in links if not (ROOT / l).exists()]
+    named = REPO_PATH.findall(text)
+    assert "examples/person.json" in named and all((ROOT / path).exists() for path in named), named
+
+
+@pytest.mark.parametrize("name", ["person.json", "tools.json"])
+def test_the_example_files_are_what_the_cli_takes(name):
+    """The quick start's files read as the CLI reads them: a schema a request compiles, a tool list."""
+    import json
+
+    from neuron_constrain import structured as S
+
+    value = json.loads((ROOT / "examples" / name).read_text())
+    constraint = S.json_schema(value) if name == "person.json" else S.tool_constraint(value, "required")
+    assert constraint is not None
+
+
+ISSUE = re.compile(r"\bissues? #?\d+\b", re.I)
+HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+
+
+def test_the_user_docs_name_no_issue_or_commit():
+    """The README and the site speak to a user: no issue numbers, no commit hashes."""
+    found = [(str(path.relative_to(ROOT)), hit) for path in pages() for pattern in (ISSUE, HASH)
+             for hit in pattern.findall(page_text(path))]
+    assert not found, found

@@ -13,8 +13,13 @@ class TransformError(Error, ValueError):
 
 class PassError(TransformError):
     """A pass failed under the pass manager: it raised (the original error is the
-    ``__cause__``), or the program broke a condition its contract names. Says which pass
-    (``pass_name``) and which ran before it (``after``)."""
+    ``__cause__``), or the program broke a condition its contract names.
+
+    Args:
+        message: what went wrong ("while running mask_logits (after tap_modules): ...").
+        pass_name: the pass (kept as ``pass_name``).
+        after: the passes that ran before it (kept as ``after``).
+    """
 
     def __init__(self, message: str, pass_name: str, after: list[str]):
         super().__init__(message)
@@ -26,7 +31,12 @@ class InputError(Error, ValueError):
 
 
 class EmptyMaskRowError(Error, RuntimeError):
-    """A logit mask row allows no token, so no token can be chosen for it."""
+    """A logit mask row allows no token, so no token can be chosen for it.
+
+    Args:
+        rows: the rows (kept as ``rows``): indices, or index tuples for a mask with more dims.
+        mask: the mask input (``"logit_mask"``, ``"logit_mask_1"``...), kept as ``mask``.
+    """
 
     def __init__(self, rows, mask: str = "logit_mask"):
         self.rows = rows

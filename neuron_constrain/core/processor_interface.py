@@ -38,10 +38,17 @@ ENTRY_POINT_GROUP = "neuron_constrain.processors"
 class RequestParams:
     """One request's processor parameters (neutral defaults: the processor is off).
 
-    ``stop_token_ids``: the ids ``min_tokens`` keeps masked (the state adds its
-    ``eos_token_id``). ``thinking_token_budget``: thought tokens the request may write
-    before the end-of-thought token is forced (the state's ``thinking`` markers; ``None``:
-    no budget). ``extra``: values for custom processors' ``row()``.
+    Args:
+        min_tokens: tokens the request must write before a stop token is allowed.
+        stop_token_ids: the ids ``min_tokens`` keeps masked (the state adds its ``eos_token_id``).
+        logit_bias: token id -> value added to its logit.
+        min_p: drop tokens below ``min_p`` times the most likely one's probability (sampling).
+        temperature: the row's sampling temperature.
+        repetition_penalty: vLLM's repetition penalty (1.0: off); ``frequency_penalty`` and
+            ``presence_penalty`` likewise (0.0: off).
+        thinking_token_budget: thought tokens the request may write before the end-of-thought
+            token is forced (the state's ``thinking`` markers; ``None``: no budget).
+        extra: values for custom processors' ``row()``.
     """
 
     min_tokens: int = 0
@@ -147,8 +154,20 @@ def _check_custom(obj, spec) -> LogitsProcessor:
 
 
 def resolve_processors(specs: Sequence | None, *, num_speculative_tokens: int = 0) -> list:
-    """Built-in names, entry points, ``module:Qualname`` strings, classes or instances
-    -> built-in names (in graph order) followed by custom ``LogitsProcessor`` instances.
+    """The processors a ``processors=`` list names, in the order the graph runs them.
+
+    Args:
+        specs: built-in names, entry-point names (group ``neuron_constrain.processors``),
+            ``"module:Qualname"`` strings, ``LogitsProcessor`` classes or instances.
+        num_speculative_tokens: above 0, only processors that force or forbid tokens
+            (``min_tokens``, ``thinking_budget``) are allowed.
+
+    Returns:
+        Built-in names (in graph order) followed by custom ``LogitsProcessor`` instances.
+
+    Raises:
+        ProcessorError: an unknown name, a definition that does not build, or a processor not
+            allowed with speculative tokens.
     """
     specs = list(specs or ())
     builtins, custom = [], []
@@ -192,7 +211,14 @@ BUILTIN_INPUTS = {
 
 
 def builtin_inputs(name: str) -> list[str]:
-    """The graph inputs of a built-in processor, in the order the pass adds them."""
+    """The graph inputs of a built-in processor, in the order the pass adds them.
+
+    Args:
+        name: a built-in processor (``"min_tokens"``, ``"logit_bias"``, ...).
+
+    Returns:
+        Its input names; empty for a name that is not built in.
+    """
     return [k for k, v in BUILTIN_INPUTS.items() if v[0] == name]
 
 
@@ -276,6 +302,13 @@ class Thinking:
         state = thinking.after(prompt)                      # the prompt may open the thought
         state = thinking.advance(state, token, budget)      # per output token
         left, end_id = thinking.row(state, budget)          # the processor's inputs
+
+    Args:
+        start: the start marker's token ids.
+        end: the end marker's token ids.
+
+    Raises:
+        ProcessorError: a marker that is not a non-empty list of token ids.
     """
 
     def __init__(self, start: Sequence[int], end: Sequence[int]):

@@ -109,6 +109,17 @@ class AddedInput:
 
 @dataclasses.dataclass
 class PassReport:
+    """What one pass found and added (``transformed.report["mask_logits"]``).
+
+    Attributes:
+        name: the pass's name, the key of its report.
+        sites: per sampling site it acted on: the node, its kind, its module, its head.
+        nodes_inserted: graph nodes the pass added.
+        inputs_added: the inputs it added (name, dtype, shape, neutral fill, meaning).
+        outputs_added: the outputs it added (``logit_mask_empty``, ``capture_*``).
+        notes: what it decided, in words (printed by ``summary()``).
+    """
+
     name: str
     sites: list[dict] = dataclasses.field(default_factory=list)
     nodes_inserted: int = 0
@@ -132,7 +143,13 @@ FORMER_NAMES = {"taps": "tap_modules", "logit_mask": "mask_logits", "logits_proc
 
 @dataclasses.dataclass
 class TransformReport:
-    """``passes``: each pass's report under its name (``"mask_logits"``), in the order they ran."""
+    """What ``transform()`` did: ``report["mask_logits"]`` is a pass's :class:`PassReport`.
+
+    Attributes:
+        passes: each pass's report under its name, in the order they ran.
+        export_seconds: the ``torch.export`` time.
+        transform_seconds: the passes' time.
+    """
 
     passes: dict[str, PassReport] = dataclasses.field(default_factory=dict)
     export_seconds: float = 0.0

@@ -46,13 +46,24 @@ def _entries(ctx: Mapping | None) -> dict[str, Entry] | None:
 
 
 def set_active_context(ctx: Mapping | None) -> None:
-    """Make ``ctx`` (tap name -> tensor or (values, enabled)) the replacements of every
-    later call; ``None`` turns all taps off."""
+    """Make ``ctx`` the replacements of every later call in this thread.
+
+    Args:
+        ctx: tap name -> a tensor (every row replaced) or ``(values, enabled)`` (per-row flags),
+            e.g. :meth:`TensorReplacer.build_context`'s result; ``None`` turns all taps off.
+    """
     _state.active = _entries(ctx)
 
 
 def get_replacement_tensor(name: str) -> torch.Tensor | None:
-    """The active replacement values for tap ``name``, or None."""
+    """The active replacement values for tap ``name``.
+
+    Args:
+        name: the tap's name.
+
+    Returns:
+        The values of the active context, or ``None`` when the tap is off.
+    """
     entry = (_state.active or {}).get(name)
     return None if entry is None else entry[0]
 
@@ -63,7 +74,11 @@ def active_replacement(name: str) -> Entry | None:
 
 @contextlib.contextmanager
 def active_context(ctx: Mapping | None):
-    """``set_active_context(ctx)`` for the ``with`` block, restoring the previous one after."""
+    """``set_active_context(ctx)`` for the ``with`` block, restoring the previous one after.
+
+    Args:
+        ctx: as :func:`set_active_context` takes it.
+    """
     previous = _state.active
     set_active_context(ctx)
     try:

@@ -28,7 +28,23 @@ CAPTURE_PREFIX = "capture_"
 
 @dataclasses.dataclass(frozen=True)
 class Tap:
-    """One tap: ``pattern`` (``path`` or ``path:N``) and its options (see the module doc)."""
+    """One tap: the modules whose output a reference tensor may replace, and how.
+
+    Args:
+        pattern: a dotted module path as ``named_modules()`` spells it (``*`` = one component; it
+            may match the end of a longer path); ``path:N`` taps output N of a module returning a
+            tuple.
+        post: a function traced into the graph that turns the replacement into the tapped value's
+            form (router logits -> top-k affinities); needs ``features``.
+        features: the replacement's last dimension, when ``post`` changes it.
+        dtype: the replacement input's dtype.
+        capture: also return the computed value (read it with
+            :func:`neuron_constrain.replacement.recording_captures`).
+
+    Raises:
+        TransformError: ``post`` without ``features``, or a selector after ``:`` that is not an
+            output index.
+    """
 
     pattern: str
     post: Callable[[torch.Tensor], torch.Tensor] | None = None

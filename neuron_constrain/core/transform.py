@@ -36,7 +36,17 @@ class Transformed(torch.nn.Module):
     Call it with the original arguments plus the inputs the passes added, as
     keywords (``logit_mask=``). An added input you leave out is fed its neutral
     value (an all-allowed mask), so constrained and unconstrained traffic run the
-    same compiled graph.
+    same compiled graph. Calling it returns the original program's outputs and raises
+    :class:`EmptyMaskRowError` when a mask row allows no token (``empty_row="flag"``).
+
+    Args:
+        program: the rewritten ``ExportedProgram``.
+        report: what the passes found and added (:class:`TransformReport`).
+
+    Raises:
+        InputError: on a call, an input the program does not take, or a mask of the wrong
+            dtype, shape or width.
+        EmptyMaskRowError: on a call, a mask row allows no token (the rows are named).
     """
 
     def __init__(self, program: ExportedProgram, report: TransformReport):
@@ -174,12 +184,24 @@ class Transformed(torch.nn.Module):
         return strip_added_outputs(self.graph_module(*args, **kwargs), self.report)
 
     def run(self, *args, **kwargs) -> tuple[Any, dict[str, torch.Tensor]]:
-        """Call the program and return ``(outputs, empty_rows)`` instead of raising
-        :class:`EmptyMaskRowError`: ``empty_rows`` maps each mask input (``"logit_mask"``,
-        ``"logit_mask_1"``...) to its bool flag per row, unread, on the outputs' device
-        (read it when you read the tokens: on torch-xla that is one transfer, not a sync
-        of its own). A runtime fails only the flagged requests
-        (``StructuredRuntime.accept_rows(batch, tokens, empty=...)``)."""
+        """Call the program and return the empty-row flags instead of raising.
+
+        A runtime fails only the flagged requests
+        (``StructuredRuntime.accept_rows(batch, tokens, empty=...)``).
+
+        Args:
+            *args: the original program's inputs.
+            **kwargs: its keyword inputs and the added ones (``logit_mask=``, processor inputs...).
+
+        Returns:
+            ``(outputs, empty_rows)``: the program's own outputs, and each mask input's name
+            (``"logit_mask"``, ``"logit_mask_1"``...) mapped to its bool flag per row, unread, on the
+            outputs' device (read it when you read the tokens: on torch-xla that is one transfer,
+            not a sync of its own).
+
+        Raises:
+            InputError: an input the program does not take, or a mask that does not fit.
+        """
         args, kwargs = self._arrange(args, kwargs)
         kwargs = self._with_added_inputs(args, kwargs)
         empty_rows: dict[str, torch.Tensor] = {}
@@ -187,6 +209,11 @@ class Transformed(torch.nn.Module):
         return out, empty_rows
 
     def save(self, path) -> None:
+        """Save the rewritten program as a ``.pt2`` that loads and runs without this library.
+
+        Args:
+            path: the file to write (``torch.export.save``).
+        """
         torch.export.save(self.program, path)
 
 
@@ -258,23 +285,49 @@ def transform(
 ) -> Transformed:
     """Export ``model`` (unless it is already an ``ExportedProgram``) and rewrite it.
 
-    ``logit_mask``: "packed" (xgrammar int32 bitmask), "bool", or None to skip the
-    mask pass. ``vocab_size``: the tokenizer's vocabulary when the lm_head is
-    padded past it. ``empty_row``: "flag" or a fallback token id (see the pass).
-    ``tp_degree``: ranks of a vocab-parallel lm_head; ``model`` is one rank's step
-    (its logits are that rank's vocab shard) and the program gains a required
-    ``tp_rank`` input (int32 ``[1]``); ``vocab_size`` stays the full vocabulary.
-    ``taps``: module path patterns (or :class:`Tap`) whose outputs reference tensors
-    can replace at run time (see the tap-modules pass); ``sequence_parallel``:
-    ranks the tapped values' token dim is split over (adds a ``tap_rank`` input).
-    ``processors``: logits processors run in the graph after the mask (built-in
-    "min_tokens", "logit_bias", "penalties", "thinking_budget", "min_p", or custom ones; see the
-    process-logits pass and :class:`neuron_constrain.processors.ProcessorState`);
-    ``max_stop_tokens`` / ``max_bias_tokens`` / ``max_penalty_tokens``: their fixed
-    per-row widths (stop ids, biased ids, distinct seen tokens);
-    ``num_speculative_tokens`` > 0 allows only "min_tokens" and "thinking_budget".
-    ``check_contracts``: check each pass's ``requires`` / ``ensures`` around it
-    (:class:`~neuron_constrain.core.pass_manager.PassManager`); off saves their graph walks.
+    Runs the passes of ``transform.PASSES`` (taps, then the mask, then the processors) through
+    the pass manager, each only where its option asks for it.
+
+    Args:
+        model: a module ``torch.export`` can trace (a decode step returning tokens or logits),
+            or a program already exported.
+        example_inputs: positional example inputs for the export.
+        example_kwargs: keyword example inputs for the export.
+        dynamic_shapes: as ``torch.export.export`` takes them (e.g. a batch ``Dim``).
+        logit_mask: ``"packed"`` (xgrammar's int32 bitmask, ``[rows, ceil(V/32)]``), ``"bool"``
+            (``[rows, V]``), or ``None`` to leave the mask pass out.
+        vocab_size: the tokenizer's vocabulary when the lm_head is padded past it (columns at or
+            past it are never allowed); with several heads, one size per head, the main head first.
+        empty_row: ``"flag"`` (a row that allows no token is reported: ``EmptyMaskRowError``, or
+            the flags of :meth:`Transformed.run`) or a token id such a row allows instead.
+        tp_degree: ranks of a vocab-parallel lm_head; ``model`` is then one rank's step (its
+            logits that rank's shard) and the program gains a required ``tp_rank`` input (int32
+            ``[1]``); ``vocab_size`` stays the full vocabulary.
+        taps: module path patterns (``"model.layers.*.mlp.router"``) or :class:`Tap` objects whose
+            outputs reference tensors can replace at run time.
+        sequence_parallel: ranks the tapped values' token dim is split over (adds a ``tap_rank``
+            input).
+        processors: logits processors run in the graph after the mask: built-in
+            ``"min_tokens"``, ``"logit_bias"``, ``"penalties"``, ``"thinking_budget"``,
+            ``"min_p"``, or custom ones (see :class:`neuron_constrain.processors.ProcessorState`).
+        max_stop_tokens: fixed per-row width of the stop ids min_tokens masks.
+        max_bias_tokens: fixed per-row width of logit_bias's ids.
+        max_penalty_tokens: fixed per-row width of the distinct tokens penalties see.
+        num_speculative_tokens: draft tokens per request; above 0 only ``"min_tokens"`` and
+            ``"thinking_budget"`` are allowed.
+        strict: ``torch.export``'s strict mode.
+        check_contracts: check each pass's ``requires`` / ``ensures`` around it; off saves their
+            graph walks.
+
+    Returns:
+        The rewritten program, callable with the original inputs plus the added ones as keywords;
+        its ``report`` says what each pass found and added.
+
+    Raises:
+        TransformError: a bad option (``taps="x"`` instead of a list, a ``vocab_size`` wider than
+            the logits, an unknown processor, ...).
+        PassError: a pass failed or broke its contract; names the pass and the passes before it,
+            with the pass's own error as its cause.
     """
     for option, value in (("taps", taps), ("processors", processors)):
         if isinstance(value, str):

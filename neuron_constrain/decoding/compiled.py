@@ -13,7 +13,7 @@ are frozen into the package (Inductor's ``freezing``, which runs only with autog
 each linear layer's weight prepacked for oneDNN, for the whole dynamic batch): a SmolLM2
 step on this CPU reads its weights at about the machine's memory bandwidth, where MKL's
 fp32 GEMM, eager's and Hugging Face's, takes twice as long at one row and four times as
-long at eight (README, "Compiled programs"). The KV cache is
+long at eight (docs/guides/real-model.md, "Compiled programs"). The KV cache is
 not in the package: it is loaded into every package as a *user-managed constant*,
 the very tensors the eager programs hold, so all of them read and write the one cache
 (``keep_rows`` moves its rows for all) and the eager programs stay the reference,
@@ -229,7 +229,22 @@ def compile_decoder(decoder, backend: str = "inductor", *, cache_dir=None, log=N
     on the XLA device; ``"auto"``, the packages where every one is built already, else
     ``decoder`` itself, eager, with nothing compiled). ``decoder`` is left as it was; with
     ``"inductor"`` both share one KV cache (the compiled one is a faster view of the same
-    programs)."""
+    programs).
+
+    Args:
+        decoder: an eager decoder from :func:`export_decoder`.
+        backend: ``"inductor"``, ``"xla"`` or ``"auto"``.
+        cache_dir: where packages are kept, keyed by the graph, its signature, a digest of the
+            weights and the torch version (the next export of the same model loads them).
+        log: a function given progress lines (compiling, loading).
+
+    Returns:
+        The compiled decoder (or, for ``"auto"`` with a package missing, ``decoder``).
+
+    Raises:
+        TypeError: not a decoder from :func:`export_decoder`.
+        ValueError: a decoder already compiled, an unknown backend, weights not on the CPU for
+            ``"inductor"``."""
     if not (dataclasses.is_dataclass(decoder) and hasattr(decoder, "steps") and hasattr(decoder, "prefill")):
         raise TypeError(f"compile_decoder takes a CachedDecoder (export_decoder's), not {type(decoder).__name__}")
     if decoder.compiled is not None:

@@ -71,6 +71,12 @@ class KVCache(torch.nn.Module):
     The slot past ``max_len`` is never written nor attended: with it every attention
     window is a strict prefix of the buffer, so export sees one case (a window equal
     to the whole buffer would be a contiguous view, and a guard on that size).
+
+    Args:
+        config: the model's transformers config (layers, key/value heads, head size).
+        max_batch: rows.
+        max_len: slots a row.
+        dtype: the buffers' dtype.
     """
 
     def __init__(self, config, *, max_batch: int, max_len: int, dtype: torch.dtype):
@@ -232,13 +238,26 @@ def _round_up(value: int, step: int, limit: int) -> int:
 class CachedDecoder:
     """The prefill and step programs of one model over one cache (see the module docstring).
 
-    ``prefill`` and each of ``steps`` (keyed by the tokens a row they take: 1 for
-    decoding, k + 1 to verify k drafts) are :class:`~neuron_constrain.core.transform.Transformed`;
-    ``cache``: the tensors they all read and write in place. ``run_*`` return
-    ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords such as
-    ``logit_mask=`` pass through). ``length_bucket`` / ``window_bucket``: the prefill
-    length and the attention window are rounded up to multiples of these (the shapes an
-    AOT backend compiles once each).
+    ``run_*`` return ``(tokens, empty_rows)`` as ``Transformed.run`` does (extra keywords
+    such as ``logit_mask=`` pass through). Built by :func:`export_decoder`.
+
+    Attributes:
+        prefill: the prefill program (a :class:`~neuron_constrain.core.transform.Transformed`).
+        steps: the step programs, keyed by the tokens a row they take (1 for decoding, k + 1 to
+            verify k drafts).
+        cache: the tensors they all read and write in place.
+        max_batch: cache rows.
+        max_len: cache slots a row.
+        length_bucket: the prefill length is rounded up to a multiple of it (the shapes an AOT
+            backend compiles once each); ``window_bucket`` likewise for the attention window.
+        sampled: the programs take noise and temperature.
+        compiled: ``None`` (eager), ``"inductor"`` or ``"xla"``.
+        packages: with ``"inductor"``, program name -> its package (``.pt2``).
+        eager: a compiled decoder's eager twin (the reference).
+
+    Raises:
+        ValueError: on a run, what the programs would index out of range (token ids past the
+            embedding, rows past the cache, positions past its length), before any program runs.
     """
 
     prefill: object
@@ -359,18 +378,29 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
                    package_dir=None, **transform_options) -> CachedDecoder:
     """Export ``model``'s prefill and step programs over one static cache and run the passes.
 
-    ``new_tokens``: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode
-    plus verify steps for 1, 3 and 7 drafts); one export each. ``vocab_size``: the
-    tokenizer's (the mask width); ``transform_options`` go to
-    :func:`neuron_constrain.transform` (e.g. ``logit_mask=None``). ``pad_id``: the token
-    right-padding a prompt (never attended by real tokens). ``sampled``: every program also
-    takes ``noise`` (Exponential(1), the logits' shape) and ``temperature [B]`` and samples
-    by the exponential race instead of the argmax (``generate(..., temperature=)``).
-    ``compile``: ``"inductor"`` (AOTInductor packages, kept in ``package_dir``) or ``"xla"``
-    runs the programs compiled (:func:`neuron_constrain.decoding.compile_decoder`; the
-    eager programs stay as ``decoder.eager``); None runs them eagerly; ``"auto"``: compiled
-    where every package is built already (loaded in about a second), eagerly otherwise
-    (no first compile of minutes: a one-off command answers sooner).
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` (or a module built like one).
+        max_batch: cache rows: the most requests decoded at once.
+        max_len: cache slots a row: prompt plus answer.
+        vocab_size: the tokenizer's vocabulary (the mask width).
+        new_tokens: the tokens a row of each step program takes (``(1, 2, 4, 8)``: decode plus
+            verify steps for 1, 3 and 7 drafts); one export each.
+        strict: ``torch.export``'s strict mode.
+        pad_id: the token right-padding a prompt (never attended by real tokens).
+        sampled: every program also takes ``noise`` (Exponential(1), the logits' shape) and
+            ``temperature [B]`` and samples by the exponential race instead of the argmax.
+        compile: ``"inductor"`` (AOTInductor packages, kept in ``package_dir``) or ``"xla"`` runs
+            the programs compiled (the eager ones stay as ``decoder.eager``); ``None`` runs them
+            eagerly; ``"auto"``: compiled where every package is built already, eagerly otherwise.
+        package_dir: where AOTInductor packages are kept and found again.
+        **transform_options: keywords of :func:`neuron_constrain.transform` (e.g. ``logit_mask=None``).
+
+    Returns:
+        The decoder: ``generate(decoder, ...)`` runs it.
+
+    Raises:
+        ValueError: a cache without a row or two slots, or a step wider than the cache.
+        TransformError: as :func:`neuron_constrain.transform`.
     """
     from torch.export import Dim
 

@@ -76,10 +76,17 @@ class _Feed(threading.local):
 class Backend:
     """``backend=`` for ``torch.compile``: our passes on each graph, then ``inner``.
 
-    ``inner``: a dynamo backend name ("inductor", "openxla", "eager", ...) or a
-    callable ``(gm, example_inputs) -> callable``. ``pass_options``: keywords of
-    :func:`neuron_constrain.transform` (``logit_mask``, ``vocab_size``,
-    ``empty_row``, ``taps``, ...).
+    Feed the added inputs of a call with ``with backend.feed(logit_mask=...):``; ``reports``
+    holds one :class:`TransformReport` per graph rewritten.
+
+    Args:
+        inner: a dynamo backend name (``"inductor"``, ``"openxla"``, ``"eager"``, ...) or a
+            callable ``(gm, example_inputs) -> callable``.
+        **pass_options: keywords of :func:`neuron_constrain.transform` (``logit_mask``,
+            ``vocab_size``, ``empty_row``, ``taps``, ...).
+
+    Raises:
+        ValueError: ``inner`` names this backend itself (the passes would run twice).
     """
 
     def __init__(self, inner: str | Callable = "inductor", **pass_options):
@@ -216,7 +223,17 @@ def _without_grad_toggles(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def backend(inner: str | Callable = "inductor", **pass_options) -> Backend:
-    """A ``torch.compile`` backend running our passes before ``inner`` (see :class:`Backend`)."""
+    """A ``torch.compile`` backend running the passes before ``inner``.
+
+    Args:
+        inner: the compiler after the passes: a dynamo backend name (``"inductor"``,
+            ``"openxla"``, ``"eager"``) or a callable ``(gm, example_inputs) -> callable``.
+        **pass_options: keywords of :func:`neuron_constrain.transform` (``vocab_size``, ``taps``...).
+
+    Returns:
+        The backend; pass it as ``torch.compile(model, backend=...)`` and feed the added inputs
+        with ``backend.feed(logit_mask=...)``.
+    """
     return Backend(inner, **pass_options)
 
 
@@ -227,6 +244,14 @@ class TorchCompiled:
     ``compiled(*args, logit_mask=mask, **kwargs)``: keywords the model's forward
     does not take, and any input a pass added, are fed to the compiled graph (an
     omitted one gets its neutral value); the rest go to the model.
+
+    Args:
+        model: the module or function compiled.
+        backend: the :class:`Backend` running the passes.
+        **compile_options: keywords of ``torch.compile`` (``fullgraph``, ``mode``...).
+
+    Raises:
+        InputError: on a call, a keyword neither the model nor any pass takes.
     """
 
     def __init__(self, model: Callable, backend: Backend, **compile_options):
@@ -278,10 +303,24 @@ class TorchCompiled:
 
 
 def compile(model: Callable, *, inner: str | Callable = "inductor", dynamic: bool = False, **options) -> TorchCompiled:
-    """``torch.compile`` with our passes; the result takes ``logit_mask=`` (and tap inputs).
+    """``torch.compile`` with the passes; the result takes ``logit_mask=`` (and tap inputs).
 
-    ``options``: pass options (keywords of :func:`neuron_constrain.transform`) and
-    ``fullgraph``/``mode``/``options`` for ``torch.compile``.
+    Args:
+        model: the module or function to compile.
+        inner: the compiler after the passes (see :func:`backend`).
+        dynamic: ``torch.compile``'s ``dynamic``; static shapes by default, one graph per batch
+            size, as on Neuron.
+        **options: keywords of :func:`neuron_constrain.transform`, and ``fullgraph`` / ``mode`` /
+            ``options`` / ``disable`` for ``torch.compile``.
+
+    Returns:
+        A callable taking the model's inputs plus the added ones as keywords (an omitted one is
+        fed its neutral value: one compiled graph for masked and unmasked calls).
+
+    Raises:
+        TransformError: on the first call, a graph the passes cannot rewrite (no sampling site, a
+            bad option).
+        InputError: on a call, an added input that does not fit, or a mask no graph takes.
     """
     compile_keys = ("fullgraph", "mode", "options", "disable")
     compile_options = {k: options.pop(k) for k in compile_keys if k in options}

@@ -29,10 +29,21 @@ __all__ = ["cached_loop", "recompute_loop", "sampling_inputs", "transform_decode
 def transform_decoder(model, example_inputs, *, vocab_size: int, enable_structured_outputs: bool = True, **kwargs) -> Transformed:
     """``transform`` with the structured-outputs switch.
 
-    True: the graph gains the packed ``logit_mask`` input (unconstrained traffic feeds
-    ``-1`` rows through the same compiled graph, so the first constrained request
-    costs no recompilation). False: no mask input and no mask work; a
-    :class:`StructuredRuntime` built for it refuses constrained requests.
+    Args:
+        model: the decode step (``input_ids -> token``) to export and rewrite.
+        example_inputs: its example inputs.
+        vocab_size: the tokenizer's vocabulary.
+        enable_structured_outputs: ``True``: the graph gains the packed ``logit_mask`` input
+            (unconstrained traffic feeds ``-1`` rows through the same compiled graph, so the first
+            constrained request costs no recompilation). ``False``: no mask input and no mask
+            work; a :class:`StructuredRuntime` built for it refuses constrained requests.
+        **kwargs: other keywords of :func:`neuron_constrain.transform`.
+
+    Returns:
+        The rewritten step (:class:`Transformed`).
+
+    Raises:
+        TransformError: as :func:`neuron_constrain.transform`.
     """
     if enable_structured_outputs:
         return transform(model, example_inputs, logit_mask="packed", vocab_size=vocab_size, **kwargs)
@@ -81,7 +92,14 @@ def verify_inputs(decoder: CachedDecoder, sequences: list[list[int]], indices: l
 
 def recompute_loop(transformed: Transformed, requests, max_new_tokens: int, pipelined: bool, eos_id: int) -> None:
     """No KV cache: every step recomputes over the last tokens (a graph exported with a
-    static sequence length sees a window of that many, left-padded with the stop token)."""
+    static sequence length sees a window of that many, left-padded with the stop token).
+
+    Args:
+        transformed: a rewritten ``input_ids -> token`` step.
+        requests: the requests' state, updated in place.
+        max_new_tokens: the most tokens an answer may have.
+        pipelined: fill the masks while the step's body runs (the step cut at its mask).
+        eos_id: the stop token (the window's left padding)."""
     window = sequence_length(transformed)
     step = PipelinedStep(split_step(transformed)) if pipelined else None
     try:
@@ -112,7 +130,15 @@ def cached_loop(decoder: CachedDecoder, requests, max_new_tokens: int, jump_forw
     """Prefill each request once into a free cache row, then one-token steps of every
     row (with ``jump_forward``: verify steps that also take each row's forced run); a
     request whose grammar is still compiling joins when it is ready (a row is free), a
-    finished one leaves its row (the rows after it move down)."""
+    finished one leaves its row (the rows after it move down). What ``generate`` runs.
+
+    Args:
+        decoder: the cached decoder.
+        requests: the requests' state as ``generate`` passes it (sequences, masks, accepts), updated in place.
+        max_new_tokens: the most tokens an answer may have.
+        jump_forward: ``None``, ``"exact"`` or ``"canonical"``.
+        temperature: sample at this temperature (``None``: greedy).
+        seed: the sampling noise's seed."""
     sequences = requests.sequences
     rows: list[int] = []  # the request in each cache row, in row order
     pending = list(range(len(sequences))) if max_new_tokens > 0 else []

@@ -51,9 +51,20 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, max_bytes: int 
          max_ratio: float = MAX_RATIO):
     """The ``ExportedProgram`` saved at ``path``, read without running anything the file holds.
 
-    Raises :class:`LoadError` (one line: the entry, the reason, the fix). With
-    ``allow_pickle=True`` (a file you trust) the archive checks still run, then
-    ``torch.export.load`` reads it, pickles and all.
+    Args:
+        path: a ``.pt2`` written by ``torch.export.save``.
+        allow_pickle: for a file you trust: the archive checks still run, then
+            ``torch.export.load`` reads it, pickles and all.
+        max_bytes: the most the archive's entries may hold, uncompressed.
+        max_ratio: the highest compression ratio an entry may have (a zip bomb's is far higher).
+
+    Returns:
+        The program, as ``torch.export.load`` would return it for a normally saved file.
+
+    Raises:
+        LoadError: one line naming the entry, the reason and the fix: pickled payloads,
+            executables, entries escaping the archive, zip bombs, expressions or guards that are
+            not plain data, node targets that are not operators.
     """
     path = os.fspath(path)
     entries = check_zip(path, max_bytes=max_bytes, max_ratio=max_ratio)

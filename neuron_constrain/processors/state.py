@@ -39,11 +39,15 @@ def _is_index(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BatchUpdate:
-    """Changes to the persistent batch since the last step, applied in this order:
-    ``removed`` slots, ``added`` ``(slot, params, prompt_token_ids[, output_token_ids])``
-    (a slot may be reused), ``moved`` ``(a, b, "move" | "swap")`` — "move": b takes
-    a's request and a is emptied; "swap": they exchange. ``batch_size``: the rows the
-    graph gets (slots ``0 .. batch_size - 1``).
+    """Changes to the persistent batch since the last step, applied in the order of the fields.
+
+    Args:
+        batch_size: the rows the graph gets (slots ``0 .. batch_size - 1``).
+        removed: slots whose requests left.
+        added: ``(slot, params, prompt_token_ids[, output_token_ids])`` per new request (a slot
+            may be reused); ``params`` a :class:`RequestParams`.
+        moved: ``(a, b, "move" | "swap")``: ``"move"``, b takes a's request and a is emptied;
+            ``"swap"``, they exchange.
     """
 
     batch_size: int
@@ -55,14 +59,23 @@ class BatchUpdate:
 class ProcessorState:
     """Per-slot processor state for a persistent batch; see the module docstring.
 
-    ``vocab_size``: token ids must lie below it. ``max_stop_tokens`` /
-    ``max_bias_tokens`` / ``max_penalty_tokens``: the graph's fixed S / K / L (a
-    request that needs more raises, naming the option). ``input_names``: the inputs
-    the graph takes (default: all of the listed processors'); the pass leaves out
-    min_p and temperature when every site is greedy, and temperature on paths that
-    scale their logits themselves, so :meth:`for_model` reads them from the program.
-    ``thinking``: the model's thought markers (:class:`Thinking`), which a request's
-    ``thinking_token_budget`` counts against.
+    Build it with :meth:`for_model`, which reads the widths and input names from the program.
+
+    Args:
+        max_num_reqs: slots of the persistent batch.
+        vocab_size: token ids must lie below it.
+        processors: the processors the graph runs (as given to ``transform``).
+        max_stop_tokens: the graph's fixed per-row width S of stop ids (a request that needs
+            more raises, naming the option); likewise ``max_bias_tokens`` (K) and
+            ``max_penalty_tokens`` (L).
+        input_names: the inputs the graph takes (default: all of the listed processors'); the
+            pass leaves out min_p and temperature when every site is greedy.
+        thinking: the model's thought markers (:class:`Thinking`), which a request's
+            ``thinking_token_budget`` counts against.
+
+    Raises:
+        ProcessorError: an unknown processor, or ``thinking`` that is not a :class:`Thinking`;
+            later, a request whose parameters do not fit (named, with the option to raise).
     """
 
     def __init__(
@@ -116,7 +129,20 @@ class ProcessorState:
 
     @classmethod
     def for_model(cls, model, max_num_reqs: int, *, processors: Sequence | None = None, **options) -> "ProcessorState":
-        """State for a ``Transformed`` model: input names, vocab_size and S/K/L read from its report."""
+        """State for a ``Transformed`` model: input names, vocab_size and S/K/L read from its report.
+
+        Args:
+            model: the program ``transform(..., processors=[...])`` returned.
+            max_num_reqs: slots of the persistent batch.
+            processors: the processors, when they are not the report's.
+            **options: other keywords of the constructor (``eos_token_id``, ``thinking``...).
+
+        Returns:
+            The state; feed ``state.inputs()`` to every call of ``model``.
+
+        Raises:
+            ProcessorError: the model was transformed without processors.
+        """
         if PASS_NAME not in model.report.passes:
             raise ProcessorError("the model was transformed without processors; pass processors=[...] to transform()")
         report = model.report.passes[PASS_NAME]
@@ -249,7 +275,17 @@ class ProcessorState:
             raise ProcessorError(f"batch slot {slot} is outside [0, {self.max_num_reqs}); raise max_num_reqs")
 
     def update(self, batch: BatchUpdate | None) -> None:
-        """Apply removed, then added, then moved; the rows are rewritten only when something changed."""
+        """Apply a batch's changes: removed, then added, then moved slots.
+
+        The rows are rewritten only when something changed.
+
+        Args:
+            batch: the changes since the last step, or ``None`` for none.
+
+        Raises:
+            ProcessorError: a slot outside the batch, a ``batch_size`` past ``max_num_reqs``, an
+                unknown move kind, or an added request's parameters out of range.
+        """
         if batch is None:
             return
         if not _is_index(batch.batch_size) or not 0 <= batch.batch_size <= self.max_num_reqs:
@@ -286,8 +322,15 @@ class ProcessorState:
         self._cache = None
 
     def append_tokens(self, tokens) -> None:
-        """Count the tokens just sampled: ``tokens[row]`` an int (or a list of accepted
-        tokens with speculative decoding) for each row ``< batch_size``."""
+        """Count the tokens just sampled (output counts, min_tokens countdown, thought budgets).
+
+        Args:
+            tokens: per row ``< batch_size``, the token (or, with speculative decoding, the list
+                of accepted tokens).
+
+        Raises:
+            ProcessorError: not one entry per row of the batch, or a token outside the vocabulary.
+        """
         rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if len(rows) != self.batch_size:
             raise ProcessorError(f"append_tokens got {len(rows)} rows but the batch has {self.batch_size}")
@@ -312,11 +355,12 @@ class ProcessorState:
 
     # ------------------------------------------------------------------ graph inputs
     def inputs(self) -> dict[str, torch.Tensor]:
-        """Every processor input of the graph for the current batch (keyword arguments).
+        """Every processor input of the graph for the current batch.
 
-        The same dict object while nothing changed. Tensors are views of the state's
-        storage or cached neutral tensors: read them, do not write them, and do not
-        keep them across :meth:`update` / :meth:`append_tokens`.
+        Returns:
+            Keyword arguments for the program: the same dict object while nothing changed. The
+            tensors are views of the state's storage or cached neutral tensors: read them, do not
+            write them, and do not keep them across :meth:`update` / :meth:`append_tokens`.
         """
         if self._cache is not None:
             return self._cache

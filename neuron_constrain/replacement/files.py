@@ -48,7 +48,17 @@ Captures = list[dict[str, list[torch.Tensor]]]
 
 def save_captures(path: str | os.PathLike, captures: Sequence[Mapping[str, Sequence[torch.Tensor]]],
                   prompt_token_ids: Sequence[Sequence[int]]) -> None:
-    """Write ``captures`` and ``prompt_token_ids`` to one safetensors file at ``path`` (replaced atomically)."""
+    """Write ``captures`` and ``prompt_token_ids`` to one safetensors file (no pickle).
+
+    Args:
+        path: the file, replaced atomically.
+        captures: per prompt, tap name -> step tensors (:func:`capture`'s result).
+        prompt_token_ids: the prompts, one per capture dict.
+
+    Raises:
+        ValueError: not one capture dict per prompt, a tap name that is not a module path, step
+            tensors of mixed dtypes, or a file that cannot be written.
+    """
     from safetensors.torch import save_file
 
     path = os.fspath(path)
@@ -86,6 +96,16 @@ def load_captures(path: str | os.PathLike, prompt_token_ids_path: str | os.PathL
 
     Also reads the seeds' ``torch.save`` pair (``tensors_path`` and
     ``prompt_token_ids_path``), through ``torch.load(weights_only=True)`` only.
+
+    Args:
+        path: a file :func:`save_captures` wrote (or the seeds' tensors file).
+        prompt_token_ids_path: with the seeds' pair, the prompt ids file.
+
+    Returns:
+        ``(captures, prompt_token_ids)``.
+
+    Raises:
+        LoadError: no such file, not a captures file, or captures and prompts that do not match.
     """
     path = os.fspath(path)
     if _is_safetensors(path):

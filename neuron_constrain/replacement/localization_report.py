@@ -28,6 +28,15 @@ class LogitsError:
 
 @dataclasses.dataclass
 class LocalizationRow:
+    """One tapped module of :func:`localize`, in graph order.
+
+    Attributes:
+        module: its path, as ``named_modules()`` spells it on the model.
+        local_error: max abs difference of its output from the reference's, every upstream tap on.
+        propagated: the logits' error with taps on up to this module, off after it.
+        alone: the logits' error with only this module's tap on.
+    """
+
     module: str            # tap name: the module path as named_modules() spells it on the model
     local_error: float     # max |computed - reference| with every upstream tap on
     propagated: LogitsError  # logits with taps on up to this module, off after it
@@ -47,6 +56,20 @@ class LocalizationRow:
 
 @dataclasses.dataclass
 class LocalizationReport:
+    """What :func:`localize` found: ``culprit``, ``summary()``, ``to_json()``, ``plot(path)``.
+
+    Attributes:
+        rows: one per tapped module, in graph order.
+        baseline: the logits' error with no tap on (the model as it is).
+        atol: the tolerance.
+        top_k: the k of the top-k agreement.
+        forward_passes: calls of the tapped program.
+        reference_passes: eager calls of the reference (0 when given captures).
+        prompts: prompts compared.
+        steps: decode steps compared per prompt.
+        positions: token slots per forward pass (batch x sequence).
+    """
+
     rows: list[LocalizationRow]
     baseline: LogitsError  # no tap on: the model as it is
     atol: float

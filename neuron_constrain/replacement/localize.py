@@ -77,8 +77,19 @@ def _logits_of(out) -> torch.Tensor:
 def reference_captures(
     reference: torch.nn.Module, prompts: Sequence[Sequence[int]], taps, max_new_tokens: int = 8
 ) -> list[dict[str, list[torch.Tensor]]]:
-    """:func:`capture` (greedy, full recompute) plus each step's logits under ``"logits"``:
-    what :func:`localize` needs from a reference, and what to save for the CLI."""
+    """:func:`capture` (greedy, full recompute) plus each step's logits under ``"logits"``.
+
+    What :func:`localize` needs from a reference, and what to save for the CLI.
+
+    Args:
+        reference: the reference model (``forward(input_ids) -> logits``).
+        prompts: prompt token ids.
+        taps: tap patterns.
+        max_new_tokens: greedy steps after each prompt.
+
+    Returns:
+        Per prompt, tap name (and ``"logits"``) -> the step tensors.
+    """
     calls: list[torch.Tensor] = []
 
     def record(module, args, out):
@@ -232,16 +243,30 @@ def localize(
 ) -> LocalizationReport:
     """Name the first module whose numerics diverge from ``reference`` (see the module doc).
 
-    ``model``: the device-side module (``forward(input_ids) -> logits [B, S, V]``,
-    exported and tapped once here), or a ``Transformed`` that already taps those
-    modules with ``capture=True`` (its ``graph_module`` may be compiled, e.g. on XLA;
-    a program with static shapes is fed padded up to them).
-    ``reference``: the reference module, or its captures from
-    :func:`reference_captures` (then ``prompts`` are their prompt token ids and
-    ``max_new_tokens`` is what they cover). ``taps``: module patterns (default: every
-    decoder layer plus the MoE routers; on a ``Transformed``, a subset of its taps).
-    ``atol``: the largest local error (max |Δ| of a module's output) and logit error
-    that count as agreement.
+    Every prefix of the taps is fed the reference in one tapped program, so ``n`` modules cost
+    ``2n + 1`` forward passes, one export and no recompilation.
+
+    Args:
+        model: the device-side module (``forward(input_ids) -> logits [B, S, V]``, exported and
+            tapped once here), or a ``Transformed`` that already taps those modules with
+            ``capture=True`` (its ``graph_module`` may be compiled, e.g. on XLA).
+        reference: the reference module, or its captures from :func:`reference_captures` (then
+            ``prompts`` are their prompt token ids and ``max_new_tokens`` is what they cover).
+        prompts: prompt token ids; each is teacher-forced with the reference's greedy continuation.
+        taps: module patterns (default: every decoder layer plus the MoE routers; on a
+            ``Transformed``, a subset of its taps).
+        max_new_tokens: greedy steps after each prompt.
+        atol: the largest local error (max abs difference of a module's output) and logit error
+            that count as agreement.
+        top_k: agreement of the top ``top_k`` tokens is reported too.
+
+    Returns:
+        The report: ``culprit`` (a ``named_modules()`` path, or ``None``), per module its local
+        and propagated errors, ``summary()``, ``to_json()``, ``plot(path)``.
+
+    Raises:
+        InputError: no prompt, captures that do not match the prompts, a model that does not
+            return logits or has inputs localize cannot feed.
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(not p for p in prompts):

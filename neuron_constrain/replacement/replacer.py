@@ -18,6 +18,13 @@ class TensorReplacer:
     (prefill) covers the prompt's positions, each later step contributes its last
     row (a full recompute or a one-token decode step alike). They are flattened to
     ``[positions, features]`` once, here.
+
+    Args:
+        reference_captures: per prompt, tap name -> step tensors (what :func:`capture` returns).
+        prompt_token_ids: the prompts the captures were taken on, one per capture dict.
+
+    Raises:
+        InputError: not one capture dict per prompt, or step tensors that do not line up.
     """
 
     def __init__(self, reference_captures: Sequence[Mapping[str, Sequence[torch.Tensor]]], prompt_token_ids: Sequence[Sequence[int]]):
@@ -48,6 +55,16 @@ class TensorReplacer:
         so a request extending prompt 0 with generated tokens still maps to prompt 0.
         Known corner case: if those generated tokens happen to spell out a longer
         stored prompt, the longer prompt wins.
+
+        Args:
+            req_id: the request's id, as later passed to :meth:`build_context`.
+            tokens: its tokens so far.
+
+        Returns:
+            The index of the prompt it maps to.
+
+        Raises:
+            InputError: no stored prompt is a prefix of ``tokens``.
         """
         tokens = tuple(int(t) for t in tokens)
         best, best_length = None, -1
@@ -86,6 +103,19 @@ class TensorReplacer:
         and, as in the scheduler's layout, the first repeated position marks where
         padding starts. Slots past the requests, negative positions and positions
         past a capture are not enabled: the model keeps its own value there.
+
+        Args:
+            req_ids: the requests of the pass, registered with :meth:`register_request`.
+            positions: each slot's position in its request.
+            is_prefill: a prefill pass (one request may own every slot).
+            tokens_per_req: slots per request (1 + draft tokens with speculative decoding).
+            device: where the tap inputs go.
+
+        Returns:
+            Tap name -> ``(values, enabled)``: pass it to :func:`set_active_context`.
+
+        Raises:
+            InputError: an unregistered request, or ``tokens_per_req`` below 1.
         """
         positions = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor) else positions)]
         if tokens_per_req < 1:

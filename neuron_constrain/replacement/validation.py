@@ -32,6 +32,18 @@ def capture(model: torch.nn.Module, prompts: Sequence[Sequence[int]], taps: Iter
     cover positions ``[0, len(prompt) + max_new_tokens)``. ``taps`` are the patterns
     given to ``transform`` (``Tap`` or ``"path"`` / ``"path:N"``); names match the
     tap names of the transformed model when ``model`` is built like it.
+
+    Args:
+        model: the eager reference model (``forward(input_ids) -> logits``).
+        prompts: prompt token ids.
+        taps: tap patterns, as given to ``transform``.
+        max_new_tokens: greedy steps after the prompt.
+
+    Returns:
+        Per prompt, tap name -> the step tensors.
+
+    Raises:
+        InputError: the model does not return logits, or a pattern matches no module.
     """
     modules = dict(model.named_modules())
     hooks, current = [], {}
@@ -64,6 +76,19 @@ def capture(model: torch.nn.Module, prompts: Sequence[Sequence[int]], taps: Iter
 
 @dataclasses.dataclass
 class StepResult:
+    """One compared step of :func:`logit_validation`.
+
+    Attributes:
+        prompt: the prompt's index.
+        step: the step (0: the prompt's last position).
+        position: the position compared.
+        max_abs_error: max abs difference of the two models' logits there.
+        topk_agreement: the share of the reference's top-k tokens the model also ranks top-k.
+        token: the model's greedy token.
+        reference_token: the reference's (decoding continues from it).
+        nonfinite_mismatches: logits finite on one side and -inf/NaN on the other.
+    """
+
     prompt: int
     step: int
     position: int
@@ -80,6 +105,14 @@ class StepResult:
 
 @dataclasses.dataclass
 class ValidationReport:
+    """What :func:`logit_validation` found; ``summary()`` prints it.
+
+    Attributes:
+        steps: every compared step.
+        atol: the tolerance the comparison used.
+        top_k: the k of the top-k agreement.
+    """
+
     steps: list[StepResult]
     atol: float
     top_k: int
@@ -147,6 +180,21 @@ def logit_validation(
     its taps are fed from the captures at every position. ``transformed`` must
     return logits ([1, S, V] or [1, V]); so must ``reference`` (an eager model, e.g.
     the same model in float64).
+
+    Args:
+        transformed: the model under test (a tapped ``Transformed`` or any module returning logits).
+        reference: the reference module.
+        prompts: prompt token ids.
+        max_new_tokens: steps compared per prompt after the prompt.
+        replacer: feed the taps from these captures at every position.
+        atol: the largest logit error that counts as agreement.
+        top_k: agreement is also measured on the top ``top_k`` tokens.
+
+    Returns:
+        Per step, the max abs error, top-k agreement and both tokens (``.summary()`` prints them).
+
+    Raises:
+        InputError: a model that does not return logits, or logits of different widths.
     """
     results = []
     for index, prompt in enumerate(prompts):

@@ -30,7 +30,16 @@ WHITESPACE = ("none", "compact", "bounded", "any")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Constraint:
-    """What a request's output must match. Build with the functions below (or :func:`tool_constraint`)."""
+    """What a request's output must match. Build with the functions below (or :func:`tool_constraint`).
+
+    Attributes:
+        kind: ``"json_schema"``, ``"json"`` (any JSON), ``"regex"``, ``"choice"``, ``"ebnf"`` or
+            ``"structural_tag"`` (tool calls in free text).
+        spec: the schema, pattern, options or grammar.
+        whitespace: JSON's whitespace mode (see :func:`json_schema`).
+        strict: JSON schema: unlisted properties and items refused.
+        max_whitespace: ``"bounded"``: whitespace characters a gap may hold.
+    """
 
     kind: str  # "json_schema" | "json" | "regex" | "choice" | "ebnf" | "structural_tag"
     spec: Any = None
@@ -83,19 +92,29 @@ def json_schema(
     compact: bool | None = None,
     unenforced: str = "refuse",
 ) -> Constraint:
-    """Output is JSON valid against ``schema`` (a dict; ``True``: any JSON value; ``False`` is refused
-    when compiled: no value satisfies it).
+    """Output is JSON valid against ``schema``.
 
-    ``whitespace``: ``"compact"`` (the default: ``", "`` and ``": "`` as ``json.dumps``
-    writes them; the most accurate on SmolLM2 in ``benchmarks/bench_quality.py``), ``"none"``
-    (no whitespace between tokens: the fewest tokens), ``"bounded"`` (any
-    whitespace, at most ``max_whitespace`` characters per gap) or ``"any"`` (unbounded:
-    a random model can emit dozens of whitespace tokens). ``compact=True/False`` is the
-    older spelling of ``"none"``/``"any"``. ``strict=False`` lets unlisted properties and
-    extra array items through (xgrammar's ``strict_mode``; some real schemas compile only so).
-    ``unenforced``: a keyword the engine would not enforce is refused (``"refuse"``, the
-    default) or accepted, listed on the result and the output validated (``"allow"``);
-    see ``neuron_constrain.structured.keywords``.
+    Args:
+        schema: a JSON schema, as a dict or its JSON text; ``True``: any JSON value; ``False`` is
+            refused when compiled (no value satisfies it).
+        strict: refuse properties and array items the schema does not list (xgrammar's
+            ``strict_mode``); ``False`` lets them through (JSON Schema's own meaning; some real
+            schemas compile only so).
+        whitespace: ``"compact"`` (the default: ``", "`` and ``": "`` as ``json.dumps`` writes
+            them; the most accurate on SmolLM2), ``"none"`` (the fewest tokens), ``"bounded"``
+            (at most ``max_whitespace`` characters a gap) or ``"any"`` (unbounded).
+        max_whitespace: characters a gap may hold under ``"bounded"``.
+        compact: the older spelling: ``True`` is ``"none"``, ``False`` is ``"any"``.
+        unenforced: a keyword the engine would not enforce is refused (``"refuse"``, the
+            default), or accepted, listed on the result and the output validated (``"allow"``).
+
+    Returns:
+        The constraint; it compiles when a runtime adds a request with it.
+
+    Raises:
+        ConstraintError: the schema is not JSON, not a dict or bool, nests deeper than JSON can be
+            read, or an option is not one of its values. What the schema asks (a keyword no engine
+            enforces, a limit exceeded) is refused when it compiles, failing that request alone.
     """
     if isinstance(schema, str):
         try:
@@ -121,25 +140,62 @@ def json_schema(
 
 
 def any_json() -> Constraint:
-    """Output is any JSON object or array (OpenAI's ``response_format={"type": "json_object"}``)."""
+    """Output is any JSON object or array (OpenAI's ``response_format={"type": "json_object"}``).
+
+    Returns:
+        The constraint.
+    """
     return Constraint("json", None, "any")
 
 
 def regex(pattern: str) -> Constraint:
+    """Output matches ``pattern`` whole (ECMA-262 syntax where Python's ``re`` reads it alike).
+
+    Args:
+        pattern: the regular expression.
+
+    Returns:
+        The constraint.
+
+    Raises:
+        ConstraintError: the pattern is not a non-empty string. A feature no engine reads the same
+            way (lookaround, backreferences, ...) is refused when it compiles.
+    """
     if not isinstance(pattern, str) or not pattern:
         raise ConstraintError(f"a regex constraint needs a non-empty pattern string, got {pattern!r}")
     return Constraint("regex", pattern)
 
 
 def choice(options: Sequence[str]) -> Constraint:
-    """Output is exactly one of ``options``."""
+    """Output is exactly one of ``options``.
+
+    Args:
+        options: the strings allowed, each non-empty.
+
+    Returns:
+        The constraint.
+
+    Raises:
+        ConstraintError: ``options`` is not a list of non-empty strings.
+    """
     if isinstance(options, str) or not options or not all(isinstance(o, str) and o for o in options):
         raise ConstraintError(f"a choice constraint needs a list of non-empty strings, got {options!r}")
     return Constraint("choice", tuple(options))
 
 
 def ebnf(grammar: str) -> Constraint:
-    """Output matches an xgrammar EBNF grammar with a ``root`` rule."""
+    """Output matches an xgrammar EBNF grammar with a ``root`` rule.
+
+    Args:
+        grammar: the grammar text (``root ::= ...``).
+
+    Returns:
+        The constraint (llguidance gets it converted to Lark).
+
+    Raises:
+        ConstraintError: no grammar text with a ``root`` rule. A grammar that does not parse fails
+            its request when it compiles.
+    """
     if not isinstance(grammar, str) or "root" not in grammar:
         raise ConstraintError("an EBNF constraint needs grammar text with a `root ::= ...` rule")
     return Constraint("ebnf", grammar)

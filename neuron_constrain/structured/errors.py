@@ -28,7 +28,12 @@ class BatchLayoutError(Error, ValueError):
 
 
 class RequestFailedError(Error):
-    """One request's failure: it names the request (``request_id``) and fails it alone."""
+    """One request's failure: it names the request and fails it alone.
+
+    Args:
+        message: what went wrong, naming the request.
+        request_id: the request (kept as ``request_id``).
+    """
 
     def __init__(self, message: str, request_id: Hashable):
         super().__init__(message)
@@ -40,7 +45,13 @@ class GrammarFailedError(RequestFailedError, ConstraintError):
 
 
 class DisallowedTokenError(RequestFailedError, ValueError):
-    """A chosen token is not allowed by its request's grammar (or lies past the vocabulary)."""
+    """A chosen token is not allowed by its request's grammar (or lies past the vocabulary).
+
+    Args:
+        message: what went wrong.
+        request_id: the request (kept as ``request_id``).
+        token: the token (kept as ``token``).
+    """
 
     def __init__(self, message: str, request_id: Hashable, token: int):
         super().__init__(message, request_id)

@@ -26,6 +26,24 @@ __all__ = ["GenerateResult", "Generation", "generate", "transform_decoder"]
 
 @dataclasses.dataclass
 class Generation:
+    """One request's answer from :func:`generate`.
+
+    Attributes:
+        request_id: its index in the call's prompts.
+        prompt: its prompt's token ids.
+        tokens: the generated tokens, the stop token included when it came.
+        text: their decode (with ``reasoning``: the answer), control and stop tokens dropped.
+        finish_reason: ``"stop"``, ``"length"`` or ``"error"``.
+        error: why, for ``"error"``.
+        unenforced: keywords accepted with ``unenforced="allow"`` but not enforced.
+        violation: with unenforced keywords, the finished output's schema violation, if any.
+        seconds: from its first model step to its last (``None`` if never scheduled).
+        forward_passes: model steps it took part in, its prefill included.
+        forced_tokens: tokens its grammar forced, taken as drafts of a verify step.
+        forced_seconds: host time finding its forced runs.
+        reasoning: with ``reasoning=``, the thought's text (vLLM's ``reasoning_content``).
+    """
+
     request_id: int
     prompt: list[int]
     tokens: list[int]  # generated, the stop token included when it came
@@ -44,6 +62,14 @@ class Generation:
 
 @dataclasses.dataclass
 class GenerateResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+        outputs: one :class:`Generation` per prompt, in order.
+        step_host_seconds: per decode step, the runtime's step and accept (the engine's included).
+        step_fill_seconds: the engine's part of it (fill, accept).
+    """
+
     outputs: list[Generation]
     step_host_seconds: list[float]  # runtime step + accept, per decode step (xgrammar included)
     step_fill_seconds: list[float]  # xgrammar's part of it (fill, accept)
@@ -187,45 +213,52 @@ def generate(
     seed: int = 0,
     reasoning: Reasoning | None = None,
 ) -> GenerateResult:
-    """Greedy (or sampled: ``temperature``) decoding of a batch with per-request constraints.
+    """Greedy (or sampled) decoding of a batch, each request under its own constraint.
 
-    ``model``: a :class:`~neuron_constrain.decoding.CachedDecoder` (KV cache:
-    ``export_decoder`` or ``neuron_constrain.models``): each request is prefilled once
-    and then costs one one-token step per output token; at most ``max_batch`` requests
-    run at once, the rest join as rows free up. Or a :class:`Transformed` step without a
-    cache (``input_ids -> token``), for a model that cannot export one: every step
-    recomputes the whole sequence.
+    Requests whose grammar is still compiling are not scheduled until it is ready; finished
+    requests leave the batch between steps. Whatever fails one request (its grammar does not
+    compile or passes ``compile_timeout``, its mask row allows nothing, its prompt does not fit
+    the cache) ends it with ``finish_reason="error"`` while the others run.
 
-    ``tokenizer``: the protocol of ``tokenizers.py`` (``info``, ``encode``, ``decode``,
-    ``eos_id``): ``from_huggingface(...)``, ``from_mistral(...)``, or the toy
-    ``Vocabulary``. ``runtime``: reuse one across calls (compiled grammars stay cached;
-    without it each call builds a runtime and pays the engine's warm-up). Requests
-    whose grammar is still compiling are not scheduled until it is ready; one whose
-    grammar fails or exceeds ``compile_timeout``, whose mask row allows nothing, or
-    whose prompt does not fit the cache ends with ``finish_reason="error"`` while the
-    others run. Finished requests leave the batch between steps; a request reaching
-    the end of the cache ends with ``"length"``. Constrained requests on a graph without
-    a mask input raise :class:`StructuredOutputsDisabledError` before any step.
-    ``engine``: the grammar engine of the runtime built here (``"auto"``, the runtime's
-    default, | ``"xgrammar"`` | ``"llguidance"``; a passed ``runtime`` has its own). A schema accepted
-    with ``unenforced="allow"`` lists the keywords on ``Generation.unenforced`` and a
-    finished output is validated against the schema (``Generation.violation``).
-    ``pipelined``: fill each step's masks while the model's body runs (the graph cut at
-    the mask, ``neuron_constrain.decoding.pipeline``; uncached steps only); the same tokens as the serial loop.
-    ``jump_forward``: ``"exact"`` or ``"canonical"`` (see ``structured/jump_forward.py``): the
-    tokens each grammar forces are decoded as drafts of a verify step (a decoder exported
-    with ``new_tokens=(1, 2, 4, 8)``: up to 7 a step), in the same forward pass as the
-    token after them, so a structured request takes fewer passes than it has tokens;
-    ``"exact"`` gives exactly the tokens of step-by-step decoding. ``Generation``
-    counts ``forward_passes``, ``forced_tokens`` and ``forced_seconds``.
-    ``temperature``: sample instead of the greedy argmax (a decoder exported with
-    ``sampled=True``); ``seed`` fixes the noise per request and output position, so the
-    same call gives the same tokens, with or without jump-forward.
-    ``reasoning``: every request thinks before it answers (:class:`Reasoning`: the thought's
-    markers, a budget, a grammar for the thought): its thought is free (or the thought
-    grammar's), a spent budget forces the end marker (a one-token mask row: jump-forward
-    takes it as a forced run), the constraint holds from the token after the end marker;
-    ``Generation.reasoning`` is the thought's text and ``text`` the answer's.
+    Args:
+        model: a :class:`~neuron_constrain.decoding.CachedDecoder` (``export_decoder`` or
+            ``neuron_constrain.models``): each request is prefilled once, then costs one step per
+            output token; at most ``max_batch`` requests run at once, the rest join as rows free
+            up. Or a :class:`Transformed` step without a cache (``input_ids -> token``): every step
+            recomputes the whole sequence.
+        prompts: text, or token ids, one per request.
+        constraints: one per prompt: a constraint, or ``None`` for a free answer.
+        max_new_tokens: the most tokens each answer may have (``"length"`` past it, or at the
+            cache's end).
+        tokenizer: the protocol of ``tokenizers.py`` (``from_huggingface``, ``from_mistral``, or
+            the toy ``Vocabulary``).
+        runtime: a :class:`StructuredRuntime` to reuse across calls (compiled grammars stay
+            cached); without it each call builds one.
+        compile_timeout: seconds a grammar may take to compile (the runtime's default if None).
+        engine: the grammar engine of the runtime built here: ``"auto"``, ``"xgrammar"`` or
+            ``"llguidance"``.
+        pipelined: fill each step's masks while the model's body runs (uncached steps only); the
+            same tokens as the serial loop.
+        jump_forward: ``"exact"`` or ``"canonical"``: the tokens a grammar forces are decoded as
+            drafts of a verify step (a decoder exported with ``new_tokens=(1, 2, 4, 8)``), so a
+            structured request takes fewer passes than it has tokens; ``"exact"`` gives exactly
+            the tokens of step-by-step decoding.
+        temperature: sample instead of the greedy argmax (a decoder exported with
+            ``sampled=True``).
+        seed: fixes the noise per request and output position: the same call gives the same
+            tokens, with or without jump-forward.
+        reasoning: every request thinks before it answers (:class:`Reasoning`); the constraint
+            holds from the token after the thought's end marker.
+
+    Returns:
+        One :class:`Generation` per prompt, in order (its ``text``, ``tokens``, ``finish_reason``,
+        ``error``, ``reasoning``, and counters), and the host time of each step.
+
+    Raises:
+        ValueError: a prompt without a constraint (or ``None``), an option the model cannot run
+            (``pipelined`` on a cached decoder, ``temperature`` or ``jump_forward`` without the
+            programs for it), a runtime with fewer rows than the decoder.
+        StructuredOutputsDisabledError: constrained requests on a graph without a mask input.
     """
     if len(prompts) != len(constraints):
         raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints; pass one constraint (or None) per prompt")

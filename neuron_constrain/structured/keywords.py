@@ -19,7 +19,7 @@ compiles, its result lists the unenforced keywords, and the final output is vali
 
 The lists are measured, not assumed: ``tests/structured/test_soundness.py`` draws schemas from the whole
 vocabulary and instances around them, and fails if an engine accepts an instance ``jsonschema``
-calls invalid of a schema it compiled; :func:`guarantee_table` writes the README's table.
+calls invalid of a schema it compiled; :func:`guarantee_table` writes the table of docs/guides/engines.md.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Enforced:
     """A keyword an engine enforces; ``unless(node, root)`` says where it does not (None: enforced)."""
 
     keyword: str
-    where: str = "everywhere"  # in words, for the README's table
+    where: str = "everywhere"  # in words, for the engines guide's table
     unless: Unless | None = None
     engine_decides: bool = False  # the engine refuses what it cannot enforce at compile time (not named for others)
 
@@ -75,7 +75,7 @@ class Allowlist:
     rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (schema_rewrite.py)
     evidence: str = ""
     regex: frozenset = frozenset()  # names of patterns.REFUSED this engine enforces exactly
-    pattern_form: str = ""  # in words, for the README's regex table
+    pattern_form: str = ""  # in words, for the engines guide's regex table
 
     def entry(self, keyword: str) -> Enforced | None:
         return next((e for e in self.entries if e.keyword == keyword), None)
@@ -334,7 +334,7 @@ def without_unknown_formats(schema, engine: str):
 
 
 def guarantee_table() -> str:
-    """The README's table: per keyword of the vocabulary, where each engine enforces it."""
+    """The engines guide's table (docs/guides/engines.md): per keyword of the vocabulary, where each engine enforces it."""
     lists = allowlists()
     names = sorted(lists)
     rows = [f"| keyword | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
@@ -349,7 +349,7 @@ def guarantee_table() -> str:
 
 
 def regex_table() -> str:
-    """The README's regex table: per feature of ``patterns``, what each engine gets."""
+    """The engines guide's regex table: per feature of ``patterns``, what each engine gets."""
     lists = allowlists()
     names = sorted(lists)
     rows = [f"| regex feature | {' | '.join(names)} |", "|---|" + "---|" * len(names),

@@ -35,7 +35,21 @@ __all__ = ["Reasoning", "ReasoningMatcher"]
 
 @dataclasses.dataclass(frozen=True)
 class Reasoning:
-    """How a request reasons before it answers (see the module docstring)."""
+    """How a request reasons before it answers: a thought between markers, then the answer.
+
+    Args:
+        start: the thought's start marker, as text or token ids.
+        end: its end marker; the answer's grammar starts at the token after it.
+        budget: thought tokens allowed (counted from the start marker, the prompt's or the
+            model's); once spent, the end marker is the only token allowed. ``None``: no cap.
+        thought: a grammar for the thought's text (the end marker allowed where it may end).
+        grammar_in_thought: the answer's grammar holds from the first token (vLLM's
+            ``enable_in_reasoning``); the markers only split the text.
+
+    Raises:
+        ValueError: a budget that is not an int >= 0, or ``grammar_in_thought`` with a thought
+            grammar or a budget.
+    """
 
     start: str | Sequence[int] = "<think>"
     end: str | Sequence[int] = "</think>"

@@ -8,44 +8,20 @@ with grammars compiled off the critical path and failures kept to their request.
     result = runtime.accept_rows(batch, tokens)              # result.finished, result.failed {id: error}
     runtime.error("r1")                                      # why a request failed, or None
 
-The parts: ``compile_cache.py`` (the one cache of compiled grammars, and the thread pool),
-``layout.py`` (which row each request owns: a pure function of the batch and the
-request states, reused while neither changes), and here the fill and the accept.
+The parts: ``compile_cache.py`` (the compiled grammars, the thread pool), ``layout.py`` (which
+row each request owns, reused while the batch and its states hold), here the fill and accept.
 
-Failures stay with their request. A constraint that does not parse or compile, one past
-its compile time limit, a fill that raises or does not return, a mask row that allowed
-no token, a token its grammar refuses or one past the vocabulary: each fails that request
-alone, with one error naming it (``error()``; a :class:`RequestFailedError`), and
-``accept_rows`` returns it once in ``failed``. A failed request is finished: its rows
-allow only stop tokens and the tokens it gets are ignored; every other request in the
-batch advances. ``add`` never raises for what a constraint says (both engines agree): a
-malformed regex, choice or EBNF fails the request at once. Errors of the caller's own
-making (an unknown or repeated request, too many rows, a draft token past the vocabulary)
-raise :class:`BatchLayoutError`; ``accept()`` of one request raises its
-:class:`DisallowedTokenError` and leaves the request as it was, for callers that retry.
+Failures stay with their request: a constraint that does not parse or compile (``add`` never
+raises for what a constraint says), a compilation past its limit, a fill that raises or hangs, a
+mask row that allowed no token, a token its grammar refuses or one past the vocabulary each
+fail that request alone, with one error naming it (``error()``; a :class:`RequestFailedError`,
+returned once in ``accept_rows``' ``failed``); its rows then allow only stop tokens. The
+caller's own mistakes (an unknown or repeated request, too many rows) raise
+:class:`BatchLayoutError`; ``accept()`` of one request raises its :class:`DisallowedTokenError`
+and leaves the request as it was, for callers that retry.
 
-Compilation: ``compile_workers`` threads compile each constraint once (a repeated schema
-is free: ``cache_hits`` / ``cache_misses``), and as many more for large constraints
-(``lanes.py``: a flood of large ones waits behind its own kind). A request's time limit runs from when its
-compilation starts, not while it waits in the queue (the error says how long it
-waited). A request whose grammar is not ready is **not scheduled**: ``ready()`` leaves
-it out; a caller that schedules a compiling request anyway makes ``step()`` wait for
-it (up to its limit). What one request may cost is bounded (``limits``, a
-:class:`~neuron_constrain.structured.limits.Limits`): its constraint is checked against the
-structural limits before anything reads it, and xgrammar, which cannot cancel a
-compilation, compiles in worker processes (one per compile thread; ``compile_isolation="process"``,
-the default): one past ``compile_timeout`` (``limits.compile_seconds``) or
-``limits.compile_memory_mb`` is killed and fails its request; a request with a shorter
-``timeout`` fails at it while the compilation goes on to fill the cache.
-
-Fill: a few rows fill on this thread; from ``parallel_min_rows`` rows on, the engine's batch
-fill runs ``fill_threads`` threads without the GIL (default: 1 thread on a host of <= 2 cores,
-whose other core the model's step wants; else up to 8). A fill thread past ``fill_timeout`` is
-abandoned and may still write its row: the runtime then moves to a fresh buffer, so no model
-ever reads a row a straggler writes. A fill on the calling thread cannot be stopped; every fill
-is timed instead: a request whose fill takes longer than ``limits.fill_ms`` for one token (an
-ambiguous grammar's work grows with its text) ends after that step (``fill_budget.py``: with a
-stop token where its grammar may end, ``budget_ended``; else failed).
+Compilation and fill run off the critical path and within each request's limits: see the
+class's arguments (``compile_workers``, ``compile_isolation``, ``fill_threads``, ``limits``...).
 """
 from __future__ import annotations
 
@@ -84,7 +60,12 @@ from neuron_constrain.core.transform import Transformed
 
 @dataclasses.dataclass
 class Accepted:
-    """What ``accept_rows`` did: every request of the batch is in exactly one of these or advanced."""
+    """What ``accept_rows`` did: every request of the batch is in exactly one of these or advanced.
+
+    Attributes:
+        finished: requests this token finished (a stop token accepted).
+        failed: request id -> its :class:`RequestFailedError`, each failure returned once.
+    """
 
     finished: list  # requests this token finished (a stop token accepted)
     failed: dict  # request id -> its RequestFailedError, each failure returned once
@@ -105,15 +86,34 @@ def _seconds(name: str, value) -> float:
 class StructuredRuntime:
     """Per-step packed masks for a batch of requests, in one reusable buffer.
 
-    ``tokenizer``: the tokenizer protocol (``tokenizers.py``: ``.info``), or a bare
-    vocabulary info (:class:`VocabularyInfo`, e.g. an ``xgrammar.TokenizerInfo``).
-    ``tokenizer_info``: an info you built yourself, audited against ``tokenizer``
-    (control tokens special, sizes agree) before it is used.
-    Its ``vocab_size`` sets the mask width ``ceil(V/32)``; it is the ``vocab_size`` the
-    graph was transformed with, so an lm_head padded past it never has its padding
-    chosen. ``step`` returns ``None`` when structured outputs are disabled (the graph
-    has no mask input). The runtime is reusable across ``generate`` calls (compiled
-    grammars stay cached); ``close()`` stops its compile and fill threads.
+    Reusable across ``generate`` calls (compiled grammars stay cached); ``close()`` stops its
+    compile and fill threads. :meth:`for_model` matches one to a rewritten program.
+
+    Args:
+        tokenizer: the tokenizer protocol (``.info``) or a :class:`VocabularyInfo`; its ``vocab_size``
+            (the graph's, so lm_head padding is never chosen) sets the mask width ``ceil(V/32)``.
+        max_rows: the largest batch, draft rows included.
+        enable_structured_outputs: ``False`` for a graph without a mask input (constrained refused).
+        tokenizer_info: an info you built yourself, audited against ``tokenizer`` first.
+        engine: ``"auto"`` (xgrammar where it enforces the whole constraint, else llguidance),
+            ``"xgrammar"`` or ``"llguidance"``.
+        fill_threads: threads of the engine's batch fill, without the GIL (default: 1 on a host of
+            <= 2 cores, whose other core the model's step wants; else up to 8).
+        compile_workers: threads compiling constraints, each once (then cached), and as many for large ones.
+        compile_timeout: seconds a compilation may take from its start, not while it waits in the
+            queue (``limits.compile_seconds``); a request's own ``timeout`` may be shorter.
+        cache_size: compiled grammars kept.
+        parallel_min_rows: from this many rows on, fills run on ``fill_threads`` threads.
+        fill_timeout: seconds before a fill thread is abandoned (then a fresh buffer is used).
+        jump_forward: ``"exact"`` or ``"canonical"``: the mode of :meth:`forced_runs`.
+        limits: what one request may cost (:class:`~neuron_constrain.structured.limits.Limits`),
+            checked first; a fill past ``fill_ms`` ends its request (``budget_ended``) or fails it.
+        compile_isolation: ``"process"`` (the default): xgrammar compiles in worker processes,
+            killed past ``compile_seconds`` or ``compile_memory_mb`` (it cannot cancel).
+
+    Raises:
+        ValueError: a bad option (``max_rows=0``, ``fill_threads=0``, ``compile_timeout=-1``...).
+        TokenizerInfoError: a ``tokenizer_info`` that fails the audit.
     """
 
     def __init__(

@@ -18,7 +18,7 @@ becomes ``{anyOf: [{A, B}, {A, C}]}`` (``oneOf`` alike; ``allOf: [B, C]`` with `
 ``narrow`` (xgrammar, which compiles an untyped node as any value and drops its assertions):
 a node without ``type`` whose assertions all belong to one instance type gets that type, and
 an ``enum`` / ``const`` beside other assertions keeps only the values that satisfy them (checked
-with ``jsonschema``). The first is a narrowing, stated in the README: ``{"maxLength": 2}`` then
+with ``jsonschema``). The first is a narrowing, stated in docs/guides/engines.md: ``{"maxLength": 2}`` then
 refuses ``5``, which JSON Schema accepts; an accepted output is still always valid.
 """
 from __future__ import annotations

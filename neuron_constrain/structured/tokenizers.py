@@ -96,8 +96,18 @@ class TokenizerLike(Protocol):
 class Tokenizer:
     """A real tokenizer behind the protocol. Build with :func:`from_huggingface` or :func:`from_mistral`.
 
-    ``pieces[i]``: the bytes token ``i`` adds to the text (``b""`` for control tokens);
-    ``names[i]``: its printable name (control tokens: ``"[INST]"``) for messages.
+    Args:
+        pieces: ``pieces[i]``, the bytes token ``i`` adds to the text (``b""`` for control tokens).
+        special_ids: the control tokens: never text inside a grammar.
+        stop_token_ids: the tokens that end an answer (the first is ``eos_id``).
+        encode: text -> token ids.
+        decode: token ids -> text (control tokens dropped).
+        names: printable names (control tokens: ``"[INST]"``) for messages.
+        vocab_size: the model's vocabulary, when wider than ``pieces``.
+        source: where it came from, for messages.
+
+    Raises:
+        TokenizerInfoError: a ``vocab_size`` narrower than ``pieces``, or no stop token.
     """
 
     def __init__(
@@ -167,9 +177,20 @@ def from_huggingface(
 ) -> Tokenizer:
     """Any Hugging Face tokenizer (fast or slow; byte-level BPE, sentencepiece byte fallback, tiktoken).
 
-    Special: every added token marked special, ``all_special_ids``, and every token whose
-    ``decode(..., skip_special_tokens=True)`` is empty (what the decode would drop).
-    ``vocab_size``: the model's (lm_head) size, when wider than the tokenizer.
+    Special (never text inside a grammar): every added token marked special, ``all_special_ids``,
+    and every token whose ``decode(..., skip_special_tokens=True)`` is empty.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        vocab_size: the model's (lm_head) size, when wider than the tokenizer.
+        stop_token_ids: the tokens that end an answer; default the tokenizer's EOS.
+
+    Returns:
+        The tokenizer in the library's protocol (``info``, ``encode``, ``decode``, ``eos_id``).
+
+    Raises:
+        TokenizerInfoError: ``vocab_size`` narrower than the tokenizer, or no EOS token and no
+            ``stop_token_ids``.
     """
     size = len(tokenizer)
     # xgrammar's decoding of each piece (byte-level, byte fallback, raw) is right for text tokens.
@@ -204,7 +225,16 @@ def from_huggingface(
 
 
 def mistral_data_file(name: str) -> str:
-    """The path of a tokenizer file the ``mistral-common`` package ships (``tekken_240911.json``, ...)."""
+    """The path of a tokenizer file the ``mistral-common`` package ships.
+
+    Args:
+        name: the file's name (``"tekken_240911.json"``, ``"tokenizer.model.v1"``, ...).
+
+    Returns:
+        Its path.
+
+    Raises:
+        FileNotFoundError: the package ships no such file (the error names its folder)."""
     import mistral_common
 
     path = os.path.join(os.path.dirname(mistral_common.__file__), "data", name)
@@ -214,8 +244,19 @@ def mistral_data_file(name: str) -> str:
 
 
 def from_mistral(tokenizer, *, vocab_size: int | None = None) -> Tokenizer:
-    """A ``mistral-common`` tokenizer: a ``MistralTokenizer``, its inner Tekkenizer /
-    SentencePieceTokenizer, or a path to a Tekken ``.json`` or sentencepiece ``.model`` file."""
+    """A ``mistral-common`` tokenizer in the library's protocol.
+
+    Args:
+        tokenizer: a ``MistralTokenizer``, its inner Tekkenizer / SentencePieceTokenizer, or a
+            path to a Tekken ``.json`` or sentencepiece ``.model`` file.
+        vocab_size: the model's (lm_head) size, when wider than the tokenizer.
+
+    Returns:
+        The tokenizer (``info``, ``encode``, ``decode``, ``eos_id``), control tokens marked special.
+
+    Raises:
+        TypeError: not a mistral-common tokenizer or a path to one.
+        TokenizerInfoError: ``vocab_size`` narrower than the tokenizer."""
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
     from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
@@ -261,7 +302,15 @@ def audit(info: VocabularyInfo, tokenizer: Tokenizer, *, vocab_size: int | None 
     Checks, in order: the info's vocab size against the model's (``vocab_size``, else
     the tokenizer's); every control token of ``tokenizer`` never text in ``info``
     (special, or a non-UTF-8 piece); every token the tokenizer decodes to nothing the
-    same; every other token's piece equal to the tokenizer's. Raises :class:`TokenizerInfoError` naming the tokens and the fix.
+    same; every other token's piece equal to the tokenizer's.
+
+    Args:
+        info: the vocabulary the engines would read.
+        tokenizer: the tokenizer whose decode the answers go through.
+        vocab_size: the model's vocabulary; default the tokenizer's.
+
+    Raises:
+        TokenizerInfoError: the first check that fails, naming the tokens and the fix.
     """
     fix = "build it with the tokenizer's own .info (neuron_constrain.structured.from_huggingface / from_mistral)"
     want = tokenizer.vocab_size if vocab_size is None else vocab_size

@@ -30,6 +30,13 @@ _MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
 
 @dataclasses.dataclass
 class ToolCall:
+    """One tool call read from an answer.
+
+    Attributes:
+        name: the tool's name.
+        arguments: its arguments, valid against the tool's parameters when the call was constrained.
+    """
+
     name: str
     arguments: dict
 
@@ -131,13 +138,23 @@ def tool_constraint(
 ) -> Constraint | None:
     """OpenAI ``tools`` + ``tool_choice`` -> the constraint that enforces it.
 
-    ``"required"``: one or more calls to the given tools; a named choice
-    ``{"type": "function", "function": {"name": n}}``: one call of ``n``; both in
-    ``format`` (see the module docstring; ``"json"``: a JSON array of ``{"name",
-    "arguments"}``, named: one object). ``"auto"`` / ``"none"``: ``None`` (free text;
-    parse it with :func:`parse_tool_calls`). ``parallel_tool_calls=False`` (OpenAI's flag):
-    ``"required"`` makes exactly one call (a small model may otherwise repeat its call until
-    the token limit; a named choice is always one call).
+    Args:
+        tools: OpenAI tools (``{"type": "function", "function": {"name", "parameters"}}``).
+        tool_choice: ``"required"`` (one or more calls to the given tools), a named choice
+            ``{"type": "function", "function": {"name": n}}`` (one call of ``n``), or ``"auto"`` /
+            ``"none"`` (free text: nothing to enforce; parse it with :func:`parse_tool_calls`).
+        format: how the model writes calls, one of ``TOOL_FORMATS``: ``"json"`` (a JSON array of
+            ``{"name", "arguments"}``; named: one object), ``"mistral"``, ``"hermes"``, ``"llama3"``.
+        tokenizer: the tokenizer, for formats that start with a control token (``"mistral"``).
+        parallel_tool_calls: OpenAI's flag; ``False`` makes ``"required"`` exactly one call (a
+            small model may otherwise repeat its call until the token limit).
+
+    Returns:
+        The constraint, or ``None`` for ``"auto"`` / ``"none"``.
+
+    Raises:
+        ConstraintError: an unknown format, ``"required"`` with no tools, a named tool not in
+            ``tools``, a tool without a name or with parameters that are not a schema.
     """
     if format not in TOOL_FORMATS:
         raise ConstraintError(f"tool-call format {format!r} is not one of {TOOL_FORMATS}")
@@ -217,12 +234,25 @@ def parse_tool_calls(
     """``(content, calls)`` from a model's answer.
 
     ``required``/named: the answer is the constrained output and is parsed whole.
-    ``auto``: calls are lifted out of free text; the rest is the content. ``"json"`` /
-    ``"llama3"``: JSON objects ``{"name": <a tool>, "arguments"|"parameters": {...}}``
-    (alone or in arrays). ``"hermes"``: ``<tool_call>...</tool_call>`` blocks.
-    ``"mistral"``: everything after the ``[TOOL_CALLS]`` control token, which a decode
-    drops: pass the generated ``tokens`` and ``tokenizer`` (or ``text`` with the token
-    written out as ``[TOOL_CALLS]``). ``none``: no calls.
+    ``auto``: calls are lifted out of free text; the rest is the content. ``none``: no calls.
+
+    Args:
+        text: the model's answer.
+        tools: the tools the request offered.
+        tool_choice: the request's ``tool_choice``.
+        format: ``"json"`` / ``"llama3"``: JSON objects ``{"name": <a tool>,
+            "arguments"|"parameters": {...}}`` (alone or in arrays); ``"hermes"``:
+            ``<tool_call>...</tool_call>`` blocks; ``"mistral"``: everything after the
+            ``[TOOL_CALLS]`` control token.
+        tokens: the generated tokens (``"mistral"``: a decode drops the control token).
+        tokenizer: decodes ``tokens``.
+
+    Returns:
+        ``(content, calls)``: the text outside calls, and each call's name and arguments.
+
+    Raises:
+        ValueError: an unknown format; a ``required``/named answer that is not calls to the tools;
+            ``tokens`` without ``tokenizer``.
     """
     if format not in TOOL_FORMATS:
         raise ValueError(f"tool-call format {format!r} is not one of {TOOL_FORMATS}")

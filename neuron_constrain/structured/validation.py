@@ -11,10 +11,18 @@ from neuron_constrain.structured.engines.xgrammar_grammars import ebnf_accepts
 
 
 def validate_output(constraint: Constraint, text: str) -> str | None:
-    """``None`` if ``text`` satisfies ``constraint``, else why not (checked without the engine
-    that constrained it for JSON (``jsonschema``, with the schema's declared ``$schema`` draft,
-    default 2020-12), regex (``re``), choice and tool calls (parsed, arguments validated); EBNF,
-    xgrammar's dialect, by a fresh xgrammar matcher)."""
+    """Whether ``text`` satisfies ``constraint``, checked without the engine that constrained it.
+
+    JSON by ``jsonschema`` (the schema's declared ``$schema`` draft, default 2020-12), regex by
+    ``re``, choices and tool calls parsed (arguments validated); EBNF, xgrammar's dialect, by a
+    fresh xgrammar matcher.
+
+    Args:
+        constraint: what the output had to match.
+        text: the output.
+
+    Returns:
+        ``None`` if it matches, else why not, in one line."""
     if constraint.validate is not None:
         return constraint.validate(text)
     if constraint.kind in ("json_schema", "json"):

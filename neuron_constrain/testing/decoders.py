@@ -15,7 +15,18 @@ ARCHITECTURES = ("llama", "mixtral", "gpt_oss", "qwen3", "qwen2", "mistral")
 
 
 def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, layers: int = 2, **overrides):
-    """A small config of a real architecture (eager attention off: sdpa, as deployed)."""
+    """A small config of a real architecture (eager attention off: sdpa, as deployed).
+
+    Args:
+        arch: one of ``ARCHITECTURES``.
+        vocab_size: the model's vocabulary.
+        hidden_size: its hidden size.
+        layers: its decoder layers.
+        **overrides: any other config field.
+
+    Returns:
+        The transformers config.
+    """
     import transformers
 
     common = dict(
@@ -63,7 +74,17 @@ def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, lay
 
 
 def tiny_decoder(arch: str = "llama", *, seed: int = 0, dtype=torch.float32, **config) -> torch.nn.Module:
-    """``*ForCausalLM`` with random weights, in eval mode."""
+    """``*ForCausalLM`` with random weights, in eval mode.
+
+    Args:
+        arch: one of ``ARCHITECTURES`` (``"llama"``, ``"mixtral"``, ``"gpt_oss"``, ``"qwen3"``, ...).
+        seed: the weights.
+        dtype: the weights' dtype.
+        **config: keywords of :func:`tiny_config` (``vocab_size=1024``, ``layers=2``, overrides).
+
+    Returns:
+        The model (a Hugging Face module: export it, wrap it in a step).
+    """
     import transformers
 
     cfg = tiny_config(arch, **config)
@@ -73,7 +94,11 @@ def tiny_decoder(arch: str = "llama", *, seed: int = 0, dtype=torch.float32, **c
 
 
 class GreedyStep(torch.nn.Module):
-    """One greedy decode step: ``input_ids [B, S] -> token [B]`` (argmax of the last logits)."""
+    """One greedy decode step: ``input_ids [B, S] -> token [B]`` (argmax of the last logits).
+
+    Args:
+        model: a ``*ForCausalLM`` (e.g. :func:`tiny_decoder`'s).
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -85,7 +110,11 @@ class GreedyStep(torch.nn.Module):
 
 
 class LogitsStep(torch.nn.Module):
-    """The full-recompute step a host-side sampler runs: ``input_ids [B, S] -> logits [B, S, V]``."""
+    """The full-recompute step a host-side sampler runs: ``input_ids [B, S] -> logits [B, S, V]``.
+
+    Args:
+        model: a ``*ForCausalLM`` (e.g. :func:`tiny_decoder`'s).
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -102,6 +131,12 @@ class SamplingStep(torch.nn.Module):
     step is deterministic given its inputs (how on-device samplers take randomness).
     The graph has the usual sampling ops: ``div`` (temperature), ``sort`` + ``cumsum``
     (top-k/top-p), ``softmax`` and ``argmax(probs / noise)``.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        temperature: the sampler's temperature.
+        top_k: its top-k.
+        top_p: its top-p.
     """
 
     def __init__(self, model: torch.nn.Module, *, temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9):
@@ -123,7 +158,12 @@ class SamplingStep(torch.nn.Module):
 
 
 class TopKMultinomialStep(torch.nn.Module):
-    """Sampling with ``topk`` + ``softmax`` + ``multinomial`` (random: seed before calling)."""
+    """Sampling with ``topk`` + ``softmax`` + ``multinomial`` (random: seed before calling).
+
+    Args:
+        model: a ``*ForCausalLM``.
+        top_k: the candidates ``multinomial`` draws from.
+    """
 
     def __init__(self, model: torch.nn.Module, *, top_k: int = 20):
         super().__init__()
@@ -138,11 +178,32 @@ class TopKMultinomialStep(torch.nn.Module):
 
 
 def random_ids(batch: int, seq: int, vocab_size: int, *, seed: int = 0) -> torch.Tensor:
+    """Seeded random token ids.
+
+    Args:
+        batch: rows.
+        seq: tokens a row.
+        vocab_size: ids are below it.
+        seed: the generator's seed.
+
+    Returns:
+        int64 ``[batch, seq]``.
+    """
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq), generator=generator)
 
 
 def exponential_noise(batch: int, width: int, *, seed: int = 0) -> torch.Tensor:
+    """Seeded Exponential(1) noise, the ``noise`` input of the sampling steps.
+
+    Args:
+        batch: rows.
+        width: the logits' width.
+        seed: the generator's seed.
+
+    Returns:
+        float32 ``[batch, width]``.
+    """
     generator = torch.Generator().manual_seed(seed)
     return torch.empty(batch, width).exponential_(generator=generator)
 
@@ -151,7 +212,11 @@ class ForcedStep(torch.nn.Module):
     """Greedy step with an additive ``bias [B, V]`` before the argmax: teacher forcing
     through a compiled graph. With ``bias = big * one_hot(token)`` the step returns
     ``token`` exactly when the logit mask allows it, so a wrong bit, row or reorder in
-    the mask fed to the graph shows up as a different token."""
+    the mask fed to the graph shows up as a different token.
+
+    Args:
+        model: a ``*ForCausalLM``.
+    """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -163,7 +228,18 @@ class ForcedStep(torch.nn.Module):
 
 
 def sample_race(logits: torch.Tensor, noise: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``SamplingStep``'s sampler on ``logits [B, V]``: temperature, top-k, top-p, exponential race."""
+    """``SamplingStep``'s sampler on ``logits [B, V]``: temperature, top-k, top-p, exponential race.
+
+    Args:
+        logits: ``[B, V]``.
+        noise: ``[B, V]`` Exponential(1) (:func:`exponential_noise`).
+        temperature: the temperature.
+        top_k: the top-k.
+        top_p: the top-p.
+
+    Returns:
+        ``[B]``: the sampled tokens.
+    """
     scaled = logits / temperature
     ordered, order = scaled.sort(dim=-1, descending=True)
     probs = ordered.softmax(-1)
@@ -180,6 +256,11 @@ class DraftHeadStep(torch.nn.Module):
 
     The draft head is its own projection of the last hidden state (``draft_vocab``
     columns, default the model's vocabulary), followed by its own argmax.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        draft_vocab: the draft head's width (default: the model's vocabulary).
+        seed: the draft head's random weights.
     """
 
     def __init__(self, model: torch.nn.Module, draft_vocab: int | None = None, seed: int = 1):

@@ -21,6 +21,11 @@ class VocabShardedGreedyStep(torch.nn.Module):
     ``input_ids [B, S] -> (value [B], index [B])``: the max of this rank's shard of the
     last logits and its column within the shard (``max.dim``, the sampling site the
     mask-logits pass masks before). :func:`greedy_across_ranks` picks the token.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        rank: this rank.
+        world_size: the ranks the vocabulary is split over.
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, world_size: int):
@@ -45,13 +50,31 @@ def pick_across_ranks(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 
     Ties go to the lowest rank, and so (each rank's index being its first max) to the
     lowest token id: the same token ``argmax`` of the gathered logits returns.
+
+    Args:
+        values: ``[world, B]``, each rank's best logit per row.
+        tokens: ``[world, B]``, its token (a global id).
+
+    Returns:
+        ``[B]``: the greedy token.
     """
     best = values.argmax(0, keepdim=True)
     return tokens.gather(0, best).squeeze(0)
 
 
 def greedy_across_ranks(value: torch.Tensor, index: torch.Tensor, rank: int, shard_width: int, group=None):
-    """All-gather each rank's ``(max, index in shard)`` over ``torch.distributed`` and pick the token."""
+    """All-gather each rank's ``(max, index in shard)`` over ``torch.distributed`` and pick the token.
+
+    Args:
+        value: ``[B]``, this rank's best logit per row.
+        index: ``[B]``, its index in this rank's shard.
+        rank: this rank.
+        shard_width: columns per rank.
+        group: the process group (default: the world).
+
+    Returns:
+        ``[B]``: the greedy token, the same on every rank.
+    """
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -72,6 +95,11 @@ class CachedGreedyStep(torch.nn.Module):
     tensors registered as buffers and written in place at ``cache_position``. Export
     it strict (HF's default; non-strict lifts the cache as constants) and run it under
     ``no_grad``. The batch is fixed at ``batch_size``; feed a prompt one token a step.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        batch_size: the fixed batch.
+        max_cache_len: cache slots a row.
     """
 
     def __init__(self, model: torch.nn.Module, *, batch_size: int, max_cache_len: int = 64):
@@ -100,7 +128,16 @@ class CachedGreedyStep(torch.nn.Module):
 
 class CachedSamplingStep(CachedGreedyStep):
     """:class:`CachedGreedyStep` with ``SamplingStep``'s sampler (:func:`sample_race`):
-    ``input_ids [B, 1], cache_position [1], noise [B, V] -> token [B]``."""
+    ``input_ids [B, 1], cache_position [1], noise [B, V] -> token [B]``.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        batch_size: the fixed batch.
+        max_cache_len: cache slots a row.
+        temperature: the sampler's temperature.
+        top_k: its top-k.
+        top_p: its top-p.
+    """
 
     def __init__(self, model, *, batch_size: int, max_cache_len: int = 64,
                  temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9):
@@ -118,7 +155,14 @@ class CachedSamplingStep(CachedGreedyStep):
 
 def cache_state(program_or_module) -> dict[str, torch.Tensor]:
     """Copies of the KV-cache tensors (``*keys``/``*values`` buffers) of an exported
-    program or a module, by name: compare two runs' caches after a decode."""
+    program or a module, by name: compare two runs' caches after a decode.
+
+    Args:
+        program_or_module: an ``ExportedProgram`` or a module.
+
+    Returns:
+        Buffer name -> a copy of the tensor.
+    """
     if isinstance(program_or_module, torch.export.ExportedProgram):
         named = {**program_or_module.state_dict, **program_or_module.constants}.items()
     else:
@@ -131,7 +175,17 @@ def sample_top_k_top_p(logits: torch.Tensor, sampling_params: torch.Tensor, unif
     """NxD's on-device sampler on ``logits [B, V]``: ``topk`` (``global_top_k`` wide), each
     row's own top-k, temperature, softmax, ``cumsum`` top-p, then the token whose
     cumulative probability first passes ``uniform [B, 1]`` (in ``[0, 1)``).
-    ``sampling_params [B, 3]`` holds ``(top_k, top_p, temperature)`` per row."""
+    ``sampling_params [B, 3]`` holds ``(top_k, top_p, temperature)`` per row.
+
+    Args:
+        logits: ``[B, V]``.
+        sampling_params: ``[B, 3]``, ``(top_k, top_p, temperature)`` per row.
+        uniform: ``[B, 1]`` in ``[0, 1)``.
+        global_top_k: the first ``topk``'s width.
+
+    Returns:
+        ``[B]``: the sampled tokens.
+    """
     top_k, top_p, temperature = sampling_params[:, 0:1], sampling_params[:, 1:2], sampling_params[:, 2:3]
     values, indices = logits.topk(global_top_k, dim=-1)
     rank = torch.arange(global_top_k, device=logits.device)
@@ -157,6 +211,12 @@ class TokenGenerationStep(torch.nn.Module):
     ``exp``, ``sum``); the sampler is :func:`sample_top_k_top_p`. The weights are a
     Llama-family ``*ForCausalLM``'s (llama, mistral, qwen2), so the logits equal the
     model's own. A bucket is one exported program per ``bucket`` length.
+
+    Args:
+        model: a ``*ForCausalLM``.
+        batch_size: the fixed batch.
+        bucket: the cache length of this bucket.
+        global_top_k: the sampler's first ``topk`` width.
     """
 
     def __init__(self, model: torch.nn.Module, *, batch_size: int, bucket: int, global_top_k: int = 16):

@@ -35,6 +35,10 @@ class Vocabulary:
     ``pieces[i]`` is the bytes of token ``i``; the stop token is ``b""`` (an empty piece
     is special, so it never matches text). A real tokenizer's ``from_huggingface(...).info``,
     or a user-built ``xgrammar.TokenizerInfo``, plugs into :class:`StructuredRuntime` the same way.
+
+    Args:
+        pieces: ``pieces[i]``, the bytes of token ``i``; the stop token's is ``b""``.
+        eos_id: the stop token.
     """
 
     def __init__(self, pieces: Sequence[bytes], *, eos_id: int):
@@ -75,9 +79,12 @@ def toy_tokenizer(size: int | None = None):
     JSON pieces (``{"``, ``":``, ``",``, ``true``, ...), two-digit numbers, words with
     and without a leading space or quote, then the stop token (an empty piece).
 
-    ``size``: pad to exactly this many tokens with unique 4-letter filler words (stand-ins
-    for a large BPE vocabulary, e.g. ``size=128256`` for Llama 3's). Returns a
-    :class:`Vocabulary`; its ``eos_id`` is the stop token.
+    Args:
+        size: pad to exactly this many tokens with unique 4-letter filler words (stand-ins for a
+            large BPE vocabulary, e.g. ``size=128256`` for Llama 3's).
+
+    Returns:
+        A :class:`Vocabulary` (the tokenizer protocol); its ``eos_id`` is the stop token.
     """
     texts = list(_JSON_PIECES) + [f"{n:02d}" for n in range(100)]
     for word in _WORDS:
@@ -114,8 +121,19 @@ def force(engine, compiled, tokens: Sequence[int], *, buffer: torch.Tensor | Non
     """Teacher forcing through a grammar engine: whether a fresh matcher of ``compiled``
     takes ``tokens`` and then a stop token (``stop=False``: whether they are a prefix),
     each one checked against the mask filled before it (the bit the graph reads) and by
-    ``accept_token``. ``times``: per token taken, ``(fill + accept seconds, fill seconds)``
-    is appended."""
+    ``accept_token``.
+
+    Args:
+        engine: a grammar engine (``structured.engines``).
+        compiled: a constraint it compiled.
+        tokens: the tokens to force.
+        buffer: the mask buffer to fill (default: a fresh one).
+        times: per token taken, ``(fill + accept seconds, fill seconds)`` is appended.
+        stop: also require a stop token after ``tokens``.
+
+    Returns:
+        Whether the grammar took them.
+    """
     import time
 
     clock = time.perf_counter
@@ -141,8 +159,15 @@ def force(engine, compiled, tokens: Sequence[int], *, buffer: torch.Tensor | Non
 
 
 def weather_tool(max_location: int = 10, *, strict: bool = True) -> dict:
-    """An OpenAI function tool (``get_weather(location, unit)``) for tests and the demo;
-    ``max_location`` bounds the location string so a random model's answer ends."""
+    """An OpenAI function tool (``get_weather(location, unit)``) for tests and the demo.
+
+    Args:
+        max_location: bounds the location string, so a random model's answer ends.
+        strict: its parameters refuse properties they do not list (``additionalProperties: false``).
+
+    Returns:
+        The tool, as OpenAI's ``tools`` list takes it.
+    """
     parameters = {
         "type": "object",
         "properties": {"location": {"type": "string", "maxLength": max_location},

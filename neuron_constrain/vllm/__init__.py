@@ -5,7 +5,7 @@
         --logits-processors neuron_constrain.vllm.validate:RequestValidator \\
         --scheduler-cls neuron_constrain.vllm.scheduler.NeuronConstrainScheduler
 
-``server_args()`` returns those three flags. See the README, "Serving with vLLM".
+``server_args()`` returns those three flags. See docs/guides/vllm.md.
 This module imports no vLLM code (the frontend imports only ``validate``).
 """
 from __future__ import annotations

@@ -58,7 +58,7 @@ def time_all_gathers(rows: int, vocab: int, candidates: int, repeats: int = 30) 
     """Milliseconds per vLLM tensor-parallel all-gather, measured once at start: of what a
     vocab-parallel head would gather per step (each rank's ``candidates`` values and ids per
     row) against the whole logits (each rank's ``vocab / tp`` columns). Reported in the
-    counters; the README's choice of strategy rests on them."""
+    counters; the serving guide's choice of strategy (docs/guides/vllm.md) rests on them."""
     from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
     tp = get_tensor_model_parallel_world_size()

@@ -16,8 +16,8 @@ the launcher splits this process's CPUs into N groups for
 ``VLLM_CPU_OMP_THREADS_BIND`` unless it is set (vLLM's automatic binding wants one NUMA
 node per rank). ``command()`` and ``environment()`` are what the tests and the
 benchmark use to start their own servers. ``--limit enum_values=10000`` (repeatable) raises
-or lowers one of the limits on what a request may cost (``structured/limits.py``; the README's
-"Limits" table), passed to the server as ``NEURON_CONSTRAIN_LIMITS``.
+or lowers one of the limits on what a request may cost (``structured/limits.py``; the table
+of docs/guides/limits.md), passed to the server as ``NEURON_CONSTRAIN_LIMITS``.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ raises for a request's parameters (an exception there stops the engine for all).
 The processor itself does nothing to logits (the plugin's head samples every token).
 
 No sampling parameter is refused here: the head serves every ``SamplingParams`` field
-stock vLLM serves (the README's parity table; what vLLM refuses, its own validation
+stock vLLM serves (the parity table of docs/guides/vllm.md; what vLLM refuses, its own validation
 refuses first, with its 400). What it applies is the library's structured-outputs policy
 (``policy.admit``) to every constrained request: a constraint past the server's limits, a
 schema no value satisfies, one holding a keyword no engine enforces, or a constraint neither

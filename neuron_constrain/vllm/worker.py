@@ -32,7 +32,7 @@ rejection sampler's: ``[requests, max drafts + 1]`` with -1 where nothing is emi
 Tensor parallelism: every rank holds the full hidden rows (vLLM all-reduces them), so
 each rank gathers the vocab-parallel lm_head shards once at load and runs the same
 head program on the same inputs: identical tokens on every rank, no collective per
-step (see the README, "Serving with vLLM", for the measured alternative).
+step (see docs/guides/vllm.md for the measured alternative).
 
 Host work per step is kept small: inputs are written through numpy views of the
 program's tensors, per-request constants (min_tokens stop ids, logit_bias arrays, min_p,

@@ -371,12 +371,12 @@ def test_a_fill_past_its_budget_ends_its_request_alone(tekken):
         runtime.close()
 
 
-def test_the_readme_table_lists_every_limit_and_its_default():
+def test_the_limits_guide_lists_every_limit_and_its_default():
     import dataclasses
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "limits.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (\d+) \| ", text, re.M))
     defaults = {f.name: getattr(L.DEFAULT, f.name) for f in dataclasses.fields(L.Limits)}
     assert {name: int(rows.get(name, -1)) for name in defaults} == defaults

@@ -226,13 +226,13 @@ def test_untyped_assertions_are_narrowed_on_xgrammar_and_exact_on_llguidance(toy
 
 
 @pytest.mark.parametrize("table", ["guarantee", "regex"])
-def test_the_readme_tables_are_the_lists(table):
-    """The README's tables are generated from the allowlists: a list changed without the README fails here."""
+def test_the_docs_tables_are_the_lists(table):
+    """The engines guide's tables are generated from the allowlists: a list changed without the guide fails here."""
     import pathlib
 
     from neuron_constrain.structured import keywords as K
 
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    copy = readme.split(f"<!-- {table}-table:start -->\n")[1].split(f"\n<!-- {table}-table:end -->")[0]
-    assert copy == getattr(K, f"{table}_table")(), "regenerate the README's table: python -c 'from " \
+    guide = (pathlib.Path(__file__).parents[2] / "docs" / "guides" / "engines.md").read_text()
+    copy = guide.split(f"<!-- {table}-table:start -->\n")[1].split(f"\n<!-- {table}-table:end -->")[0]
+    assert copy == getattr(K, f"{table}_table")(), "regenerate the table in docs/guides/engines.md: python -c 'from " \
         f"neuron_constrain.structured import keywords as K; print(K.{table}_table())'"

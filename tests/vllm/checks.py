@@ -15,7 +15,7 @@ SCHEMAS = {
     "person": {
         "type": "object",
         # A pattern, not maxLength: vLLM's xgrammar 0.2.8 grammar for a length-bounded string admits raw
-        # control characters (invalid JSON), which sampled requests do emit (README, "Serving with vLLM").
+        # control characters (invalid JSON), which sampled requests do emit (docs/guides/vllm.md).
         # Anchored: stock vLLM reads every pattern as anchored, the plugin reads it as JSON Schema does (a
         # search), so only an anchored pattern means the same to both servers.
         "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},

@@ -1,5 +1,5 @@
 """Every ``SamplingParams`` field of vLLM 0.32, one test each: served by the plugin as stock vLLM
-serves it, or refused by both (the README's parity table, "Serving with vLLM", is checked against
+serves it, or refused by both (the parity table of docs/guides/vllm.md is checked against
 the class and against the cases here).
 
 A field the OpenAI server takes is sent to the shared stock and plugin servers (tiny model) in one
@@ -102,9 +102,9 @@ def public_fields() -> list[str]:
 
 
 def readme_rows() -> dict[str, str]:
-    """The parity table of the README: field -> its "served" / "refused" cell."""
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("**Parity with stock vLLM, field by field**"):].split("\n\n")[1]
+    """The parity table of the serving guide: field -> its "served" / "refused" cell."""
+    text = (ROOT / "docs" / "guides" / "vllm.md").read_text()
+    table = text[text.index("## Parity with stock vLLM, field by field"):].split("\n\n")[2]
     return dict(re.findall(r"^\| `(\w+)` \| (served|refused) \|", table, flags=re.M))
 
 
