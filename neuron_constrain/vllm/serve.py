@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stock", action="store_true", help="stock vLLM (plugin off), for comparison")
     parser.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                         help="a limit on what one request may cost (repeatable), e.g. enum_values=10000; names: "
-                             "the README's Limits table")
+                             "docs/guides/limits.md")
     parser.add_argument("extra", nargs="*", help="more vLLM flags, after --")
     args = parser.parse_args(argv)
     cmd = command(port=args.port, plugin=not args.stock, extra=args.extra, **resolve(args.model))
