@@ -337,14 +337,15 @@ def guarantee_table() -> str:
     """The engines guide's table (docs/guides/engines.md): per keyword of the vocabulary, where each engine enforces it."""
     lists = allowlists()
     names = sorted(lists)
-    rows = [f"| keyword | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
+    rows = [f"| keyword | rewritten first, for every engine (the schema algebra) | {' | '.join(names)} |",
+            "|---|---|" + "---|" * len(names)]
     for keyword in sorted(rewrite.VOCABULARY, key=lambda k: (k.lstrip("$").lower())):
-        cells = []
+        cells = [algebra.REWRITES.get(keyword, "")]
         for name in names:
             entry = lists[name].entry(keyword)
             cells.append("refused" if entry is None else entry.where)
         rows.append(f"| `{keyword}` | {' | '.join(cells)} |")
-    rows.append(f"| `format` names | {' | '.join(', '.join(sorted(lists[n].formats)) for n in names)} |")
+    rows.append(f"| `format` names | | {' | '.join(', '.join(sorted(lists[n].formats)) for n in names)} |")
     return "\n".join(rows)
 
 

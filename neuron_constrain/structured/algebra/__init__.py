@@ -33,7 +33,29 @@ from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra import conditionals, dialects, dynamic, finite, logic, unevaluated
 from neuron_constrain.structured.algebra.caps import CAPS, CapReached, Over
 
-__all__ = ["CAPS", "CapReached", "lower"]
+__all__ = ["CAPS", "CapReached", "REWRITES", "lower"]
+
+# What the algebra rewrites, per keyword, for the engines guide's table (``keywords.guarantee_table``):
+# where the condition fails, the keyword reaches the engines as written and their columns decide.
+REWRITES = {
+    "additionalItems": "drafts 4 to 2019-09 (by `$schema`): `prefixItems` / `items`",
+    "dependencies": "drafts 4 to 7 (by `$schema`): `dependentRequired` / `dependentSchemas`, then as those",
+    "dependentRequired": "`anyOf` over the presence cases",
+    "dependentSchemas": "`anyOf` over the presence cases",
+    "if": "`anyOf` of (`if` and `then`), (not `if` and `else`) where not `if` has a positive form "
+          "(decided by type, `required`, `const`/`enum`, single bounds)",
+    "not": "its positive complement, over type, `const`, `enum`, `required`, single bounds",
+    "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
+             "objects, discriminating `const`s)",
+    "contains": "lengths or first-match positions, where the contained schema and the items partition the items",
+    "minContains": "with `contains`",
+    "maxContains": "with `contains`",
+    "uniqueItems": "over finite item domains: the `enum` of the arrays",
+    "unevaluatedProperties": "`additionalProperties` per case, where the applicators fix what is evaluated",
+    "unevaluatedItems": "`items` per case, where the applicators fix what is evaluated",
+    "$dynamicRef": "`$ref` per dynamic scope, where the document fixes it",
+    "$recursiveRef": "2019-09 (by `$schema`): `$ref` per dynamic scope",
+}
 
 # The rewrites made on each node, children first, with the keyword a cap error names.
 STEPS = (
