@@ -170,7 +170,7 @@ def test_engine_warnings_are_refusals(toy_engines, capfd):
     assert "middle" in capfd.readouterr().err
     with pytest.raises(S.ConstraintError, match="Unknown format|would not enforce"):
         toy_engines["llguidance"].compile(S.json_schema({"type": "string", "format": "date", "contentEncoding": 1,
-                                                         "not": {}}))
+                                                         "not": {"pattern": "^x"}}))  # no rewrite expresses it
 
 
 # ---- rewrites that keep the meaning (schema_rewrite.normalize), each on every engine
@@ -202,7 +202,7 @@ def test_rewrites_that_keep_the_meaning_compile_and_enforce_on_every_engine(toy_
 
 def test_false_schema_and_remote_refs_are_refused_by_name(toy_engines):
     for name, engine in toy_engines.items():
-        with pytest.raises(S.ConstraintError, match="`false`: no output is valid"):
+        with pytest.raises(S.ConstraintError, match="it is `false`|`false`: no output is valid"):
             engine.compile(S.json_schema(False))
         with pytest.raises(S.ConstraintError) as info:
             engine.compile(S.json_schema({"$ref": "https://example.com/elsewhere.json#/x"}))
