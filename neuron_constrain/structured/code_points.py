@@ -64,9 +64,12 @@ _ECMA_SETS = {
 }
 
 
-def shorthand(letter: str) -> tuple:
-    """``\\d`` etc. as the set both dialects agree a string must hold (see the module docstring)."""
+def shorthand(letter: str, wide: bool = False) -> tuple:
+    """``\\d`` etc. as the set both dialects agree a string must hold (see the module docstring), or
+    with ``wide`` as the set either dialect lets through (their union: what a complement must exclude)."""
     lower = letter.lower()
-    if letter == lower:  # both readings' intersection
-        return subtract(_ECMA_SETS[lower], complement(_python_set(lower)))
-    return complement(_ECMA_SETS[lower] + _python_set(lower))  # in neither reading's positive set
+    both = subtract(_ECMA_SETS[lower], complement(_python_set(lower)))
+    either = normalize(_ECMA_SETS[lower] + _python_set(lower))
+    if letter == lower:
+        return either if wide else both
+    return complement(both) if wide else complement(either)

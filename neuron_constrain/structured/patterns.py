@@ -22,7 +22,11 @@ terminator, lazy -> greedy, anchors at the edges of a branch -> a full match); e
 construct is a *refused* feature naming its offset (lookaround, backreferences, ``\\b``, flags,
 anchors in the middle, ``{,n}``, ...). Where the dialects differ on a set (``\\D``, ``\\W``,
 ``\\S``, ``.``) the tree takes the intersection: an engine may then refuse a string one reading
-accepts, never accept one either reading refuses. The emitters write only sets, groups,
+accepts, never accept one either reading refuses (inside a negated class a member is read at its
+widest, so that the class stays the narrower one). ``parse(source, wide=True)`` reads the other
+way: every set the union of the two readings and a final ``$`` also before a last newline (as
+Python's ``$`` matches), a language holding every string either reading matches; what a
+complement (``algebra/regular.py``) must exclude. The emitters write only sets, groups,
 alternation and counted repetition, with every non-alphanumeric character escaped by code
 point, so both engines read the text the same way.
 """
@@ -108,8 +112,9 @@ _SYNTAX = set("^$\\.*+?()[]{}|/-")
 
 
 class _Parser:
-    def __init__(self, source: str):
+    def __init__(self, source: str, wide: bool = False):
         self.text, self.at, self.features, self.groups = source, 0, [], 0
+        self.wide = wide  # sets read as the union of the dialects (else their intersection)
 
     def note(self, name: str, offset: int) -> None:
         self.features.append(Feature(name, offset))
@@ -191,7 +196,7 @@ class _Parser:
             return ("end",)
         if char == ".":
             self.note("dot", start)
-            return ("chars", subtract(ANY, LINE_TERMINATORS))
+            return ("chars", subtract(ANY, ((0x0A, 0x0A),) if self.wide else LINE_TERMINATORS))
         if char == "[":
             return ("chars", self.char_class(start))
         if char == "(":
@@ -250,7 +255,7 @@ class _Parser:
         self.at += 1
         if char in "dwsDWS":
             self.note("shorthand class", start)
-            return ("chars", shorthand(char))
+            return ("chars", shorthand(char, self.wide))
         if char in "pP":
             self.note("Unicode property escape", start)
             if self.peek() == "{":
@@ -301,6 +306,13 @@ class _Parser:
     def char_class(self, start: int) -> tuple:
         negated = self.peek() == "^"
         self.at += negated
+        self.wide ^= negated  # a negated class's members read the other way: the class keeps the reading's side
+        try:
+            return self._class_members(start, negated)
+        finally:
+            self.wide ^= negated
+
+    def _class_members(self, start: int, negated: bool) -> tuple:
         if self.peek() == "]":
             self.note("empty class", start)
             self.at += 1
@@ -343,14 +355,18 @@ class _Parser:
 
 
 @functools.lru_cache(maxsize=1024)
-def parse(source: str) -> Pattern:
+def parse(source: str, wide: bool = False) -> Pattern:
     """``source`` read as ECMA-262 and Python's ``re`` agree (see the module docstring); a syntax
-    error raises :class:`ConstraintError`, a refused feature is listed (``Pattern.refused``)."""
+    error raises :class:`ConstraintError`, a refused feature is listed (``Pattern.refused``).
+    ``wide``: every string either dialect matches (a superset of both readings)."""
     if not isinstance(source, str):
         raise ConstraintError(f"a pattern must be a string, got {type(source).__name__}")
-    parser = _Parser(source)
+    parser = _Parser(source, wide)
     tree = parser.parse()
     branches = _edges(tree, parser)
+    if wide:  # Python's `$` also matches before a final newline
+        newline = ("repeat", ("chars", ((0x0A, 0x0A),)), 0, 1)
+        branches = tuple((left, right, items + (newline,) if right else items) for left, right, items in branches)
     return Pattern(source, tree, tuple(parser.features), branches)
 
 

@@ -41,12 +41,8 @@ from neuron_constrain.structured.constraints import Constraint, engine_message
 from neuron_constrain.structured.engines import ENGINE_CHOICES, make_engine
 from neuron_constrain.structured.engines.base import fill_each
 from neuron_constrain.structured.engines.fill_threads import FillTimeout
-from neuron_constrain.structured.errors import (
-    BatchLayoutError,
-    GrammarFillError,
-    RequestFailedError,
-    StructuredOutputsDisabledError,
-)
+from neuron_constrain.structured.errors import (BatchLayoutError, GrammarFillError, RequestFailedError,
+                                                StructuredOutputsDisabledError)
 from neuron_constrain.structured.fill_budget import may_end, within_budget
 from neuron_constrain.structured.jump_forward import MODES, canonical_run, exact_run
 from neuron_constrain.structured.limits import DEFAULT as DEFAULT_LIMITS, LimitError, Limits
@@ -107,7 +103,7 @@ class StructuredRuntime:
         fill_timeout: seconds before a fill thread is abandoned (then a fresh buffer is used).
         jump_forward: ``"exact"`` or ``"canonical"``: the mode of :meth:`forced_runs`.
         limits: what one request may cost (:class:`~neuron_constrain.structured.limits.Limits`),
-            checked first; a fill past ``fill_ms`` ends its request (``budget_ended``) or fails it.
+            checked first; fills past ``fill_ms`` on 3 tokens in a row end a request (``budget_ended``) or fail it.
         compile_isolation: ``"process"`` (the default): xgrammar compiles in worker processes,
             killed past ``compile_seconds`` or ``compile_memory_mb`` (it cannot cancel).
 
@@ -185,6 +181,7 @@ class StructuredRuntime:
         self.last_accept_seconds = 0.0  # whole accept_rows()
         self.last_accept_engine_seconds = 0.0  # the engine's accept inside it
         self.budget_ended = 0  # requests ended with a stop token when their fill passed limits.fill_ms
+        self._strikes, self._own_strikes = {}, {}  # tokens past fill_ms in a row (rows; reasoning rows)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -357,10 +354,10 @@ class StructuredRuntime:
         if self.requests.reasoning and len(matchers) > 1:  # reasoning requests' matchers fill themselves
             own = [i for i, m in enumerate(matchers) if type(m) is ReasoningMatcher]
         if not own:
-            return within_budget(self._fill_rows, matchers, buffer, rows, self.limits)
+            return within_budget(self._fill_rows, matchers, buffer, rows, self.limits, self._strikes)
         rest = [i for i in range(len(matchers)) if type(matchers[i]) is not ReasoningMatcher]
         failures = [(own[k], e) for k, e in within_budget(fill_each, [matchers[i] for i in own], buffer,
-                                                          [rows[i] for i in own], self.limits)]
+                                                          [rows[i] for i in own], self.limits, self._own_strikes)]
         if rest:
             failures += [(rest[k], e) for k, e in self._fill([matchers[i] for i in rest], [rows[i] for i in rest])]
         return sorted(failures, key=lambda failure: failure[0])

@@ -7,7 +7,7 @@ rewrite keeps the meaning.
 
 ``REGIONS`` names one strategy per rewrite: ``dependent`` (dependentRequired/dependentSchemas beside
 properties and additionalProperties), ``conditional`` (if/then/else deciding by type, required, a
-property's const/enum, a bound), ``negation`` (not over the same, nested), ``one_of`` (branches that
+property's const/enum, a bound, a pattern), ``negation`` (not over the same, nested), ``one_of`` (branches that
 overlap or not), ``contains`` (contains/minContains/maxContains with items, prefixItems, maxItems),
 ``unevaluated`` (unevaluatedProperties/Items through allOf/anyOf/oneOf/if/$ref/dependentSchemas),
 ``dynamic`` ($dynamicRef scopes), ``unique`` (uniqueItems over finite item domains), ``dialects``
@@ -24,7 +24,9 @@ from neuron_constrain.structured import algebra
 from neuron_constrain.structured.keywords import post_validate
 
 KEYS = ("a", "b", "k")
-SCALARS = (None, True, False, -1, 0, 1, 2, 3, 1.5, "", "a", "b", "ab")
+SCALARS = (None, True, False, -1, 0, 1, 2, 3, 1.5, "", "a", "b", "ab", "ba", "a\n", "\u0663")
+# patterns a complement or an intersection is made of (regular.py): anchors, sets, counts, a shorthand class
+PATTERNS = ("^a", "b$", "^a.?b$", "[ab]{2}", "^$", "\\d", "^(ab|b)*$", "^[^\\d]$")
 REGIONS = ("dependent", "conditional", "negation", "one_of", "contains", "unevaluated", "dynamic", "unique",
            "dialects", "finite")
 
@@ -50,6 +52,7 @@ DECIDER = _either(
     st.tuples(st.sampled_from(("minimum", "maximum", "exclusiveMinimum", "minLength", "maxItems")),
               st.integers(0, 2)).map(lambda p: {p[0]: p[1]}),
     SCALAR.map(lambda v: {"const": v}), st.lists(SCALAR, min_size=1, max_size=3).map(lambda v: {"enum": v}),
+    st.sampled_from(PATTERNS).map(lambda p: {"pattern": p}),
 )
 TYPE = st.sampled_from(({}, {"type": "object"}, {"type": "array"}, {"type": "integer"}, {"type": ["string", "number"]}))
 

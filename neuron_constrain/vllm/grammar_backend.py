@@ -39,6 +39,7 @@ import time
 import torch
 import xgrammar as xgr
 
+from neuron_constrain.structured.fill_budget import STRIKES, cpu_seconds
 from neuron_constrain.structured.limits import LimitError
 from neuron_constrain.vllm import check_vllm_version
 from neuron_constrain.vllm import policy
@@ -67,6 +68,7 @@ class _Budget:
 
     nc_failure: str | None = None
     nc_budget_ended: bool = False
+    nc_strikes: int = 0  # fills past the budget in a row (fill_budget.STRIKES of them end the request)
     nc_budget: float = float("inf")
     nc_stops: torch.Tensor | None = None
 
@@ -74,11 +76,11 @@ class _Budget:
         start = time.perf_counter()
         fill(bitmask, idx)
         if time.perf_counter() - start <= self.nc_budget or self.nc_failure is not None:
+            self.nc_strikes = 0
             return
-        start = time.thread_time()  # past it by the clock: again in this thread's CPU time (not preempted)
-        fill(bitmask, idx)
-        seconds = time.thread_time() - start
-        if seconds <= self.nc_budget:
+        seconds = cpu_seconds(lambda: fill(bitmask, idx))  # past it by the clock: again in this thread's CPU time
+        self.nc_strikes = self.nc_strikes + 1 if seconds > self.nc_budget else 0
+        if self.nc_strikes < STRIKES:  # a spike of an ordinary grammar, not yet a grammar that stays slow
             return
         ends = bitmask[idx] & self.nc_stops
         if bool(ends.any()):  # its answer may end here: it does, with one of the stop tokens it allows

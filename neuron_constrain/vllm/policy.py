@@ -14,7 +14,7 @@ run on a 257-token byte vocabulary: the verdict never depends on the vocabulary,
 compilation takes milliseconds. The engine core compiles the same constraint again with
 the model's vocabulary and reaches the same verdict (same code, same keyword tables).
 Both bound what a request may cost with the server's :class:`Limits` (``server_limits``:
-the library's, ``compile_seconds`` 10 and ``fill_ms`` 10, changed by ``--limit name=N`` on the launcher or
+the library's with ``compile_seconds`` 10, changed by ``--limit name=N`` on the launcher or
 ``NEURON_CONSTRAIN_LIMITS``): the structural limits are checked before anything reads
 the constraint, a schema no value satisfies is refused, and the verdict's xgrammar
 compilation runs in worker processes killed past the time and memory limits.
@@ -43,9 +43,10 @@ from neuron_constrain.structured.engines.xgrammar_grammars import lark_to_ebnf, 
 # vLLM's get_structured_output_key reads them
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 LIMITS_ENV = "NEURON_CONSTRAIN_LIMITS"  # "name=value,...": the server's limits (serve.py's --limit writes it)
-# a server answers a request's constraint within seconds, and a model step on a small model takes ~10 ms:
-# a grammar may add at most 10 ms to it (xgrammar's fills of ordinary grammars take well under 1 ms)
-SERVER_LIMITS = Limits(compile_seconds=10.0, fill_ms=10.0)
+# a server answers a request's constraint within seconds; a grammar's fill may pass 50 ms on 3 tokens in a
+# row at most (fill_budget.STRIKES): xgrammar's fills of ordinary grammars reach 20-56 ms on single tokens
+# (the first character of a length-bounded string, 32k- and 131k-token vocabularies), never on three in a row
+SERVER_LIMITS = Limits(compile_seconds=10.0, fill_ms=50.0)
 VERDICT_PROCESSES = 4  # xgrammar worker processes for the verdicts (the admission's two lanes of two threads)
 
 

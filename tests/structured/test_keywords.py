@@ -36,15 +36,15 @@ PROBES = {
     "maxLength-beside-$ref": ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "abcd", "ab"),
     "format": ({"type": "string", "format": "regex"}, "(", "a+"),
     # keywords the schema algebra rewrites where it can (tests/structured/test_schema_algebra.py): probed here
-    # where it cannot (a pattern has no positive complement), so the policy still names them
-    "not": ({"type": "string", "not": {"pattern": "^a"}}, "ab", "ba"),
-    "if": ({"type": "string", "if": {"pattern": "^a"}, "then": {"maxLength": 2}}, "abc", "ab"),
+    # where it cannot (a format has no positive complement), so the policy still names them
+    "not": ({"type": "string", "not": {"format": "email"}}, "a@b.co", "ab"),
+    "if": ({"type": "string", "if": {"format": "email"}, "then": {"maxLength": 5}}, "a@b.co", "ab"),
     "dependentSchemas": ({"type": "object", "dependentSchemas": {"a": {"properties": {"b": {
-        "type": "string", "not": {"pattern": "^x"}}}}}}, {"a": 1, "b": "xy"}, {"a": 1, "b": "y"}),
+        "type": "string", "not": {"format": "email"}}}}}}, {"a": 1, "b": "x@y.z"}, {"a": 1, "b": "y"}),
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], [1, 2]),
     "contains": ({"type": "array", "contains": {"const": 5}}, [1, 2], [5]),
     "unevaluatedProperties": ({"type": "object", "unevaluatedProperties": False,
-                               "if": {"properties": {"a": {"pattern": "^x"}}}, "then": {"properties": {"b": {}}}},
+                               "if": {"properties": {"a": {"format": "email"}}}, "then": {"properties": {"b": {}}}},
                               {"c": 1}, {"b": 1}),
     "propertyNames": ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, {"A1": 1}, {"ab": 1}),
 }

@@ -381,3 +381,37 @@ def test_the_limits_guide_lists_every_limit_and_its_default():
     defaults = {f.name: getattr(L.DEFAULT, f.name) for f in dataclasses.fields(L.Limits)}
     assert {name: int(rows.get(name, -1)) for name in defaults} == defaults
     assert set(L.DESCRIPTIONS) == set(defaults)
+
+
+class _Spinning:
+    """A matcher whose fill burns ``ms`` of this thread's CPU (set per step by the test)."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    def fill_next_token_bitmask(self, buffer, row):
+        import time
+
+        end = time.thread_time() + self.ms / 1e3
+        while time.thread_time() < end:
+            pass
+
+
+def test_a_fill_ends_its_request_only_past_the_budget_on_tokens_in_a_row():
+    """One slow token (an ordinary grammar's spike) or two are forgiven; the STRIKES-th in a row is not,
+    and a fast token between them starts the count again. Each matcher is counted on its own."""
+    import torch
+
+    from neuron_constrain.structured.fill_budget import STRIKES, within_budget
+
+    def fill(matchers, buffer, rows):
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_next_token_bitmask(buffer, row)
+        return []
+    limits, buffer, strikes = L.Limits(fill_ms=2), torch.zeros(2, 1, dtype=torch.int32), {}
+    spiky, steady = _Spinning(), _Spinning()
+    plan = [(8, 0), (8, 8), (0, 8), (8, 8), (8, 0)]  # (spiky, steady) ms per step: steady is slow 3 times in a row
+    for step, (a, b) in enumerate(plan):
+        spiky.ms, steady.ms = a, b
+        failed = {index for index, error in within_budget(fill, [spiky, steady], buffer, [0, 1], limits, strikes)}
+        assert failed == ({1} if step == STRIKES else set()), (step, failed)

@@ -88,6 +88,13 @@ PINNED = {
     "not enum": ({"type": "string", "not": {"enum": ["a", "b"]}}, ["c", "", "ab"], ["a", "b"]),
     "not required": ({"type": "object", "not": {"required": ["a"]}}, [{}, {"b": 1}], [{"a": 1}]),
     "not a bound": ({"not": {"minimum": 10}}, [9, -2.5], [10, "x", None]),
+    # the complement of a pattern excludes what either dialect matches: Python's \d takes "٣", its $ a last newline
+    "not a pattern": ({"type": "string", "not": {"pattern": "^[a-f\\d]{4}$"}}, ["abc", "abcde", "xyz1", "ab-d"],
+                      ["abcd", "12ef", "\u0663\u0663\u0663\u0663", "abcd\n"]),
+    "oneOf with a pattern branch": ({"oneOf": [{"type": "string", "pattern": "^[0-9]{2}$"}, {"type": "string"}]},
+                                    ["abc", "1", "123"], ["12", 5]),
+    "oneOf with a finite branch": ({"type": "string", "oneOf": [{"maxLength": 3}, {"enum": ["ab", "long one"]}]},
+                                   ["abc", "long one", ""], ["ab", "abcd"]),
     "oneOf disjoint": ({"type": "object", "oneOf": [
         {"properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
         {"properties": {"b": {"type": "string"}}, "required": ["b"], "additionalProperties": False}]},
@@ -141,11 +148,11 @@ def test_the_schema_as_sent_is_never_modified():
 
 
 @pytest.mark.parametrize("schema, keyword, path", [
-    ({"properties": {"x": {"type": "string", "not": {"pattern": "^a"}}}}, "not", "#/properties/x/not"),
+    ({"properties": {"x": {"type": "string", "not": {"format": "email"}}}}, "not", "#/properties/x/not"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#/uniqueItems"),
     ({"type": "array", "contains": {"const": 1}}, "contains", "#/contains"),
-    ({"$defs": {"d": {"if": {"pattern": "^a"}, "then": {"maxLength": 1}}}, "$ref": "#/$defs/d"}, "if", "#/$defs/d/if"),
-], ids=["not-pattern", "uniqueItems-unbounded", "contains-mixed-unbounded", "if-by-pattern"])
+    ({"$defs": {"d": {"if": {"format": "email"}, "then": {"maxLength": 1}}}, "$ref": "#/$defs/d"}, "if", "#/$defs/d/if"),
+], ids=["not-format", "uniqueItems-unbounded", "contains-mixed-unbounded", "if-by-format"])
 def test_what_no_rewrite_expresses_is_refused_where_it_was_written(toy_engines, schema, keyword, path):
     with pytest.raises(S.ConstraintError) as info:
         toy_engines["auto"].compile(S.json_schema(schema, strict=False))
@@ -167,7 +174,8 @@ def _chain(length: int) -> dict:
     ({"type": "array", "maxItems": 40, "contains": {"const": 1}}, "positions", "contains", "#"),
     ({"not": {"enum": [f"s{i}" for i in range(300)]}}, "string_set", "not", "#"),
     (_chain(70), "specializations", "$ref", "#/$defs/r63"),
-], ids=["branches", "enumerated", "positions", "string_set", "specializations"])
+    ({"type": "string", "not": {"pattern": "^(?:[a-z]{1,12}-){60}$"}}, "automaton_states", "not", "#"),
+], ids=["branches", "enumerated", "positions", "string_set", "specializations", "automaton_states"])
 def test_each_size_cap_is_refused_by_name_and_pointer(toy_engines, schema, cap, keyword, path):
     with pytest.raises(algebra.CapReached) as info:
         algebra.lower(schema)

@@ -170,7 +170,7 @@ def test_engine_warnings_are_refusals(toy_engines, capfd):
     assert "middle" in capfd.readouterr().err
     with pytest.raises(S.ConstraintError, match="Unknown format|would not enforce"):
         toy_engines["llguidance"].compile(S.json_schema({"type": "string", "format": "date", "contentEncoding": 1,
-                                                         "not": {"pattern": "^x"}}))  # no rewrite expresses it
+                                                         "not": {"format": "email"}}))  # no rewrite expresses it
 
 
 # ---- rewrites that keep the meaning (schema_rewrite.normalize), each on every engine
@@ -236,3 +236,24 @@ def test_the_docs_tables_are_the_lists(table):
     copy = guide.split(f"<!-- {table}-table:start -->\n")[1].split(f"\n<!-- {table}-table:end -->")[0]
     assert copy == getattr(K, f"{table}_table")(), "regenerate the table in docs/guides/engines.md: python -c 'from " \
         f"neuron_constrain.structured import keywords as K; print(K.{table}_table())'"
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 2}, {"type": "string", "minLength": 2},
+                                    {"type": "string", "minLength": 1, "maxLength": 1}])
+def test_a_bounded_string_on_xgrammar_is_narrower_never_wider(schema):
+    """xgrammar's own bounded string takes raw control characters (invalid JSON); the library's takes JSON's
+    string characters only, counted as code points, and no escape (xgrammar would count an escape as
+    several characters, and a class with the escapes in it makes its fills grow with the bound: 1.9 s a
+    token at maxLength 1024, measured). So it never takes what the schema refuses, and refuses the
+    escaped spellings: sound, narrower than llguidance there."""
+    import jsonschema
+
+    from neuron_constrain.structured.engines.xgrammar_grammars import ebnf_accepts, schema_grammar
+
+    text = str(schema_grammar(S.json_schema(schema)))
+    for value in ["ab", "a", "\n", "\u00e9", "\U0001F600", "\U0001F600x", "abc", "", 'a"b', "\x06"]:
+        valid = jsonschema.Draft202012Validator(schema).is_valid(value)
+        raw = json.dumps(value, ensure_ascii=False)
+        needs_escape = any(c in value for c in '"\\') or any(ord(c) < 0x20 for c in value)
+        assert ebnf_accepts(text, raw) == (valid and not needs_escape), (schema, raw, valid)
+    assert not ebnf_accepts(text, '"a\x06"') and not ebnf_accepts(text, '"\x06"')  # raw controls: never JSON

@@ -67,7 +67,7 @@ def test_a_storm_of_hostile_constraints_is_answered_while_ordinary_traffic_flows
 
 def test_a_fill_past_its_per_token_budget_ends_that_request_alone(plugin_server):
     """An ambiguous grammar steered down its costliest path (logit_bias on "a"): its fill grows with
-    every token until it passes the server's budget (fill_ms, 10 ms); the request then ends there,
+    every token until it passes the server's budget (fill_ms, 50 ms, on 3 tokens in a row); the request ends there,
     where the grammar may end, with an answer it accepts; an ordinary request beside it is served."""
     server = plugin_server
     client = server.client()

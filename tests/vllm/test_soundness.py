@@ -31,13 +31,13 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 PATTERN = {"type": "object", "patternProperties": {"^x[a-z]{0,5}$": {"type": "integer", "minimum": 0, "maximum": 9}},
            "additionalProperties": False}
 # No engine enforces these (xgrammar ignores them, llguidance refuses them); vLLM's own validation lets them through.
-UNENFORCEABLE = [  # forms the schema algebra cannot rewrite either (a pattern has no positive complement)
-    ({"type": "object", "properties": {"a": {"type": "string", "not": {"pattern": "^x"}}}, "required": ["a"]},
+UNENFORCEABLE = [  # forms the schema algebra cannot rewrite either (a format has no positive complement)
+    ({"type": "object", "properties": {"a": {"type": "string", "not": {"format": "email"}}}, "required": ["a"]},
      "not", "#/properties/a/not"),
     ({"type": "object", "properties": {"n": {"type": "string"}}, "required": ["n"],
-      "if": {"properties": {"n": {"pattern": "^x"}}}, "then": {"properties": {"n": {"maxLength": 3}}}}, "if", "#/if"),
+      "if": {"properties": {"n": {"format": "email"}}}, "then": {"properties": {"n": {"maxLength": 3}}}}, "if", "#/if"),
     ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
-      "dependentSchemas": {"a": {"properties": {"b": {"not": {"pattern": "^x"}}}}}}, "dependentSchemas", "#/dependentSchemas"),
+      "dependentSchemas": {"a": {"properties": {"b": {"not": {"format": "email"}}}}}}, "dependentSchemas", "#/dependentSchemas"),
 ]
 
 

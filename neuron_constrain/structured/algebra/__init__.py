@@ -15,6 +15,7 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
     then, per node, children first:
       conditionals        then/else alone, uniqueItems false, ... dropped; dependentRequired,
                           dependentSchemas, if/then/else, oneOf -> anyOf; not -> its complement
+                          (a pattern's: regular.py, through automata)
       finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
                           finite item domains -> the enum of the arrays
 
@@ -30,7 +31,7 @@ import copy
 import json
 
 from neuron_constrain.structured import schema_rewrite as rewrite
-from neuron_constrain.structured.algebra import conditionals, dialects, dynamic, finite, logic, unevaluated
+from neuron_constrain.structured.algebra import conditionals, dialects, dynamic, finite, logic, regular, unevaluated
 from neuron_constrain.structured.algebra.caps import CAPS, CapReached, Over
 
 __all__ = ["CAPS", "CapReached", "REWRITES", "lower"]
@@ -44,9 +45,11 @@ REWRITES = {
     "dependentSchemas": "`anyOf` over the presence cases",
     "if": "`anyOf` of (`if` and `then`), (not `if` and `else`) where not `if` has a positive form "
           "(decided by type, `required`, `const`/`enum`, single bounds)",
-    "not": "its positive complement, over type, `const`, `enum`, `required`, single bounds",
+    "not": "its positive complement, over type, `const`, `enum`, `required`, single bounds, `pattern` (the "
+           "complement of its language, through automata)",
     "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
-             "objects, discriminating `const`s)",
+             "objects, discriminating `const`s), else of each branch and the others' complements "
+             "(a finite branch: its values the others refuse)",
     "contains": "lengths or first-match positions, where the contained schema and the items partition the items",
     "minContains": "with `contains`",
     "maxContains": "with `contains`",
@@ -132,9 +135,10 @@ class Judge:
     def __init__(self, root: dict, declared: int):
         import jsonschema  # keywords.py's referee too
 
-        cls = jsonschema.Draft202012Validator
+        base = jsonschema.Draft202012Validator
         formats = jsonschema.validators.validator_for(
-            {"$schema": dialects.SCHEMAS.get(declared, dialects.LATEST)}, default=cls).FORMAT_CHECKER
+            {"$schema": dialects.SCHEMAS.get(declared, dialects.LATEST)}, default=base).FORMAT_CHECKER
+        cls = jsonschema.validators.extend(base, {"pattern": _pattern})
         self.root = root
         self.validator = cls(root, format_checker=formats)
 
@@ -150,6 +154,15 @@ class Judge:
         if ref != "#" and not ref.startswith("#/"):
             return None
         return rewrite._node_at(self.root, ref)
+
+
+def _pattern(validator, pattern, instance, schema):
+    """``pattern`` as ``jsonschema`` reads it (a search), a pattern the algebra wrote as what it stands
+    for (``regular.referee_match``)."""
+    import jsonschema
+
+    if isinstance(instance, str) and not regular.referee_match(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
 def hoist(schema: dict) -> None:

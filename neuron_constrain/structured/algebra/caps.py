@@ -18,6 +18,9 @@ CAPS = {
     "positions": 16,  # array positions a `contains` rewrite spells out
     "string_set": 256,  # strings a complement of `enum`/`const` excludes by pattern
     "specializations": 64,  # copies of a subschema made to resolve `$dynamicRef` per dynamic scope
+    "nfa_states": 8192,  # states of the automaton a pattern's complement or intersection starts from
+    "automaton_states": 512,  # states of the deterministic automaton made from it
+    "pattern_chars": 16384,  # characters of the pattern written back from it
 }
 
 

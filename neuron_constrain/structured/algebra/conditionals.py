@@ -4,7 +4,8 @@
     {dependentSchemas: {a: S}}             -> anyOf [{properties: {a: false}}, {required: [a]} ∧ S]
     {if: I, then: T, else: E}              -> anyOf [I ∧ T, not-I ∧ E]          (not-I: logic.complement)
     {oneOf: [A, B]}  (proven disjoint)     -> anyOf [A, B]
-    {oneOf: [A, B]}  (may overlap)         -> anyOf [A ∧ not-B, B ∧ not-A]      (where both complements exist)
+    {oneOf: [A, B]}  (may overlap)         -> anyOf [A ∧ not-B, B ∧ not-A]      (where both complements exist;
+                                              a finite A: the values of A that B refuses, judged)
     {not: S}                               -> the complement of S
     then/else without if, if alone, min/maxContains without contains, minContains 0 alone,
     uniqueItems: false, empty dependencies  -> dropped (they assert nothing)
@@ -20,7 +21,7 @@ from __future__ import annotations
 from neuron_constrain.structured import schema_rewrite as rewrite
 from neuron_constrain.structured.algebra import logic
 from neuron_constrain.structured.algebra.caps import over
-from neuron_constrain.structured.algebra.disjoint import disjoint
+from neuron_constrain.structured.algebra.disjoint import disjoint, finite_values
 from neuron_constrain.structured.algebra.logic import is_true, join, meet
 from neuron_constrain.structured.algebra.negation import complement
 
@@ -127,16 +128,32 @@ def one_of(node: dict, path: str, judge):
                    if i != j and not disjoint(branches[i], branches[j], judge, within)}
     cases = []
     for i, branch in enumerate(branches):
-        case = branch
-        for j in (j for j in range(len(branches)) if (i, j) in overlapping):
-            negated = complement(branches[j], judge.resolve)
-            if negated is None:
-                return node
-            case = meet(case, negated)
+        others = [branches[j] for j in range(len(branches)) if (i, j) in overlapping]
+        case = _finite_case(branch, others, judge)
+        if case is None:
+            case = branch
+            for other in others:
+                negated = complement(other, judge.resolve)
+                if negated is None:
+                    return node
+                case = meet(case, negated)
         cases.append(case)
     over("branches", len(cases))
     del node["oneOf"]
     return attach(node, join(cases))
+
+
+def _finite_case(branch, others: list, judge):
+    """A finite ``oneOf`` branch's case: its values no other branch accepts (``jsonschema`` judges), as
+    an ``enum`` beside it (False: none); None where the branch is not finite or a value is unjudged."""
+    values = finite_values(branch)
+    if values is None or not others:
+        return None
+    try:
+        kept = [v for v in values if not any(judge.valid(other, v) for other in others)]
+    except judge.Unjudged:
+        return None
+    return meet(branch, {"enum": kept}) if kept else False
 
 
 def negation(node: dict, path: str, judge):

@@ -5,7 +5,7 @@
 A proof is one of: a side is ``false``; no type in common (``integer`` inside ``number``); every
 value a finite side (``enum``/``const``) allows fails the other side (``jsonschema`` judges); a
 conjunct of one side (``allOf`` branch, ``$ref`` target) is disjoint from the other, or every
-``anyOf`` branch is; and per type both allow, disjoint numeric ranges, disjoint length windows
+``anyOf`` (or ``oneOf``) branch is; and per type both allow, disjoint numeric ranges, disjoint length windows
 (strings, arrays, objects), an array position both must have with disjoint item schemas, or a
 property one side requires whose schemas on the two sides are disjoint (``required`` against
 ``additionalProperties: false``, discriminator ``const`` values).
@@ -27,9 +27,10 @@ def disjoint(a, b, judge, within=ATOMS, depth: int = 0) -> bool:
     for x, y in ((a, b), (b, a)):
         if any(disjoint(part, y, judge, within, depth + 1) for part in _parts(x, judge)):
             return True
-        branches = x.get("anyOf") if isinstance(x.get("anyOf"), list) else None
-        if branches is not None and all(disjoint(br, y, judge, within, depth + 1) for br in branches):
-            return True
+        for key in ("anyOf", "oneOf"):  # a value of x satisfies one of these branches at least
+            branches = x.get(key) if isinstance(x.get(key), list) else None
+            if branches is not None and all(disjoint(br, y, judge, within, depth + 1) for br in branches):
+                return True
     shared = atoms(a) & atoms(b) & within
     if not shared:
         return True

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextvars
 
 from neuron_constrain.structured import schema_rewrite as rewrite
-from neuron_constrain.structured.algebra.caps import over
+from neuron_constrain.structured.algebra import regular
+from neuron_constrain.structured.algebra.caps import Over, over
 
 ATOMS = frozenset({"null", "boolean", "object", "array", "string", "integer", "fraction"})
 _TYPE_ATOMS = {"null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"},
@@ -199,6 +200,11 @@ def _combine(key, x, y):
         return [v for v in x if any(same(v, w) for w in y)] or False
     if key == "const":
         return x if same(x, y) else False
+    if key == "pattern" and isinstance(x, str) and isinstance(y, str) and x != y:
+        try:  # one pattern for both (an engine holds one per node); past a cap both stay, in allOf
+            return regular.intersect_patterns((x, y))
+        except Over:
+            return None
     if key in _LOWER | _UPPER and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
         return max(x, y) if key in _LOWER else min(x, y)
     if same(x, y):

@@ -10,14 +10,16 @@ conjunct), so its complement is the disjunction of its conjuncts' complements, e
 intervals; strings -> length windows and a ``^``-anchored prefix pattern, never an end anchor: ``$``
 reads differently in Python and ECMA-262), single bounds of every family, ``required``,
 ``properties`` alone in its unit, ``prefixItems``, ``items: false``, ``contains`` alone,
-``allOf``/``anyOf``/``not``/``$ref`` recursively. ``multipleOf``, ``pattern``, ``format``,
-``additionalProperties``, ``items``, ``uniqueItems``, ``propertyNames``, ``oneOf`` have none here.
+``allOf``/``anyOf``/``not``/``$ref`` recursively, ``pattern`` (the complement of its language,
+``regular.py``). ``multipleOf``, ``format``, ``additionalProperties``, ``items``, ``uniqueItems``,
+``propertyNames``, ``oneOf`` have none here.
 """
 from __future__ import annotations
 
 import copy
 
 from neuron_constrain.structured.algebra.caps import over
+from neuron_constrain.structured.algebra.regular import complement_pattern
 from neuron_constrain.structured.algebra.logic import (
     ARRAY_UNIT, ATOMS, FAMILY_ATOMS, OBJECT_UNIT, assertions, atoms, distinct, is_true, join, meet, type_keyword,
 )
@@ -102,6 +104,10 @@ def _complement_conjunct(group: dict, resolve, seen):
         if key == "$ref" and isinstance(value, str) and value not in seen:
             target = resolve(value)
             return None if target is None else complement(target, resolve, seen | {value})
+    if key == "pattern" and len(group) == 1 and isinstance(value, str):
+        other = {"type": type_keyword(ATOMS - FAMILY_ATOMS["string"])}
+        written = complement_pattern(value)
+        return None if written is None else other if written is False else join([other, {"type": "string", "pattern": written}])
     if key in OBJECT_UNIT and set(group) == {"properties"} and isinstance(value, dict):
         cases = []
         for name, sub in value.items():
