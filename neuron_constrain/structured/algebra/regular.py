@@ -92,8 +92,8 @@ def _written(dfa: "_Dfa", meaning: tuple):
     tree = dfa.expression()
     if tree is None:
         return False
+    over("pattern_chars", _length(tree, {}))  # before writing: shared subtrees would be written out each time
     body = _write(tree)
-    over("pattern_chars", len(body))
     source = f"^(?:{body})$"
     _WRITTEN[source] = meaning
     _WRITTEN.move_to_end(source)
@@ -464,6 +464,29 @@ def _write_code(code: int) -> str:
     return f"\\u{code:04x}"
 
 
+def _count_text(low: int, high) -> str:
+    return "*" if (low, high) == (0, None) else "?" if (low, high) == (0, 1) else \
+        f"{{{low},}}" if high is None else f"{{{low},{high}}}"
+
+
+def _length(node, memo: dict) -> int:
+    """``len(_write(node))``, each shared subtree measured once (state elimination shares them)."""
+    known = memo.get(id(node))
+    if known is not None:
+        return known
+    kind = node[0]
+    if kind == "chars":
+        size = len(_write(node))
+    elif kind == "seq":
+        size = sum(_length(child, memo) + (4 if child[0] == "alt" else 0) for child in node[1])
+    elif kind == "alt":
+        size = sum(_length(child, memo) for child in node[1]) + len(node[1]) - 1
+    else:
+        size = _length(node[1], memo) + (0 if node[1][0] == "chars" else 4) + len(_count_text(node[2], node[3]))
+    memo[id(node)] = size
+    return size
+
+
 def _write(node) -> str:
     kind = node[0]
     if kind == "chars":
@@ -479,7 +502,4 @@ def _write(node) -> str:
     inner = _write(node[1])
     if node[1][0] != "chars":
         inner = f"(?:{inner})"
-    low, high = node[2], node[3]
-    count = "*" if (low, high) == (0, None) else "?" if (low, high) == (0, 1) else \
-        f"{{{low},}}" if high is None else f"{{{low},{high}}}"
-    return inner + count
+    return inner + _count_text(node[2], node[3])
