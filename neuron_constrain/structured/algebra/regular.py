@@ -241,25 +241,14 @@ class _Dfa:
             if len(signatures) == len(set(block)):
                 break
             block = refined
-        order = {}
-        for state in self._reachable():
+        order, reachable = {}, list(self._depths())  # breadth first from the start: the start stays 0
+        for state in reachable:
             order.setdefault(block[state], len(order))
         moves = [None] * len(order)
-        for state in self._reachable():
+        for state in reachable:
             moves[order[block[state]]] = [order[block[t]] for t in self.moves[state]]
         accepting = {order[block[s]] for s in self.accepting if block[s] in order}
         return _Dfa(self.atoms, moves, accepting)
-
-    def _reachable(self) -> list[int]:
-        seen, queue = [0], collections.deque([0])
-        found = {0}
-        while queue:
-            for target in self.moves[queue.popleft()]:
-                if target not in found:
-                    found.add(target)
-                    seen.append(target)
-                    queue.append(target)
-        return seen
 
     def expression(self):
         """The language as a pattern tree (state elimination), or None when it is empty."""
@@ -305,7 +294,7 @@ class _Dfa:
         return edges[start].get(final)
 
     def _depths(self) -> dict[int, int]:
-        """Each reachable state's distance from the start."""
+        """Each reachable state's distance from the start, in breadth-first order."""
         depth, queue = {0: 0}, collections.deque([0])
         while queue:
             state = queue.popleft()
