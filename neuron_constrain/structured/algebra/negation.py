@@ -107,7 +107,9 @@ def _complement_conjunct(group: dict, resolve, seen):
     if key == "pattern" and len(group) == 1 and isinstance(value, str):
         other = {"type": type_keyword(ATOMS - FAMILY_ATOMS["string"])}
         written = complement_pattern(value)
-        return None if written is None else other if written is False else join([other, {"type": "string", "pattern": written}])
+        if written is None or written is False:
+            return None if written is None else other
+        return join([other, {"type": "string", "pattern": written}])
     if key in OBJECT_UNIT and set(group) == {"properties"} and isinstance(value, dict):
         cases = []
         for name, sub in value.items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import re
 
 from neuron_constrain.structured import patterns
 from neuron_constrain.structured.algebra.caps import over
@@ -41,8 +42,6 @@ _EMPTY = ("seq", ())
 def referee_match(source: str, text: str) -> bool:
     """Whether the referee (Python's ``re``, a search) finds ``source`` in ``text``; for a pattern written
     here, whether it finds what that pattern stands for (not the pattern complemented, or all of them)."""
-    import re
-
     meaning = _WRITTEN.get(source)
     if meaning is None:
         return re.search(source, text) is not None
@@ -125,9 +124,7 @@ class _Nfa:
         if kind == "seq":
             start = end = self.state()
             for child in node[1]:
-                inner_start, inner_end = self.build(child)
-                self.eps[end].append(inner_start)
-                end = inner_end
+                end = self._then(end, child)
             return start, end
         if kind == "alt":
             start, end = self.state(), self.state()
@@ -140,9 +137,7 @@ class _Nfa:
             inner, low, high = node[1], node[2], node[3]
             start = end = self.state()
             for _ in range(low):
-                inner_start, inner_end = self.build(inner)
-                self.eps[end].append(inner_start)
-                end = inner_end
+                end = self._then(end, inner)
             done = self.state()
             if high is None:
                 inner_start, inner_end = self.build(inner)
@@ -150,12 +145,17 @@ class _Nfa:
                 self.eps[inner_end] += [inner_start, done]
             else:
                 for _ in range(high - low):
-                    inner_start, inner_end = self.build(inner)
-                    self.eps[end] += [inner_start, done]
-                    end = inner_end
+                    self.eps[end].append(done)  # the optional copies: each may be the last
+                    end = self._then(end, inner)
                 self.eps[end].append(done)
             return start, done
         raise ValueError(f"no automaton for a {kind!r} node")  # anchors and refused nodes never get here
+
+    def _then(self, end: int, node) -> int:
+        """``node``'s automaton entered from ``end``; its own end."""
+        inner_start, inner_end = self.build(node)
+        self.eps[end].append(inner_start)
+        return inner_end
 
     def closure(self, states) -> frozenset:
         seen, stack = set(states), list(states)
@@ -349,7 +349,7 @@ def _count_chain(edges, chain: list, remaining: set, depth: dict) -> None:
     """``q1 -x-> q2 -x-> .. -x-> qn``, with ``q1 .. q(n-1)`` leaving alike, rewritten as
     ``q1 -x{0,n-2}-> m`` (m: their other edges) and ``q1 -x{n-1}-> qn``."""
     first, last = chain[0], chain[-1]
-    label = edges[first][last if len(chain) == 2 else chain[1]]
+    label = edges[first][chain[1]]
     rest = {k: v for k, v in edges[first].items() if k != chain[1]}
     merged = max(max(edges), max(remaining)) + 1
     for state in chain[1:-1]:
@@ -390,9 +390,10 @@ def _seq(*parts):
     for part in parts:
         for item in _items(part):
             last = items[-1] if items else None
-            if last is not None and _counted(last)[0] == _counted(item)[0] and _counted(item)[0][0] != "repeat":
-                (node, low, high), (_, more_low, more_high) = _counted(last), _counted(item)
-                items[-1] = ("repeat", node, low + more_low, None if high is None or more_high is None else high + more_high)
+            (node, more_low, more_high) = _counted(item)
+            if last is not None and node[0] != "repeat" and _counted(last)[0] == node:
+                _, low, high = _counted(last)
+                items[-1] = ("repeat", node, low + more_low, None if None in (high, more_high) else high + more_high)
             else:
                 items.append(item)
     return items[0] if len(items) == 1 else ("seq", tuple(items))
@@ -414,10 +415,9 @@ def _alt(a, b):
     if a[0] != "alt" and b[0] != "alt":
         left, right = _items(a), _items(b)
         if left and right and left[0] == right[0] and (len(left) > 1 or len(right) > 1):
-            return _seq(left[0], _alt(_seq(*left[1:]) if left[1:] else _EMPTY, _seq(*right[1:]) if right[1:] else _EMPTY))
+            return _seq(left[0], _alt(_seq(*left[1:]), _seq(*right[1:])))  # _seq() of nothing is _EMPTY
         if left and right and left[-1] == right[-1] and (len(left) > 1 or len(right) > 1):
-            return _seq(_alt(_seq(*left[:-1]) if left[:-1] else _EMPTY, _seq(*right[:-1]) if right[:-1] else _EMPTY),
-                        left[-1])
+            return _seq(_alt(_seq(*left[:-1]), _seq(*right[:-1])), left[-1])
     branches: list = []
     for part in (a, b):
         for branch in part[1] if part[0] == "alt" else [part]:
