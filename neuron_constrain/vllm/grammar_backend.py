@@ -212,7 +212,9 @@ class LibraryBackend(StructuredOutputBackend):
         self.pieces = self.library_tokenizer.pieces  # the text each token adds, as the grammars read it
         self.stop_ids = frozenset(self.library_tokenizer.stop_token_ids)
         self.limits = policy.server_limits()
-        self.engine = AutoEngine(self.library_tokenizer, limits=self.limits, compile_processes=COMPILE_PROCESSES)
+        # bounded strings on xgrammar (escape-free, sound), as stock vLLM compiles them: greedy tokens stay stock's
+        self.engine = AutoEngine(self.library_tokenizer, limits=self.limits, compile_processes=COMPILE_PROCESSES,
+                                 narrow_bounded_strings=True)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._lock = threading.Lock()

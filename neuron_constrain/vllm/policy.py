@@ -155,10 +155,12 @@ _LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=4)
 def verdict_engine(limits: Limits):
-    """The engine the verdicts compile on: ``auto`` on a byte vocabulary, xgrammar in worker processes."""
+    """The engine the verdicts compile on: ``auto`` on a byte vocabulary, xgrammar in worker processes
+    (bounded strings on xgrammar, as the engine core's ``grammar_backend.LibraryBackend``)."""
     from neuron_constrain.structured.engines import AutoEngine
 
-    return AutoEngine(_Bytes().tokenizer, limits=limits, compile_processes=VERDICT_PROCESSES)
+    return AutoEngine(_Bytes().tokenizer, limits=limits, compile_processes=VERDICT_PROCESSES,
+                      narrow_bounded_strings=True)
 
 
 _VERDICTS: dict = {}

@@ -225,6 +225,25 @@ def test_untyped_assertions_are_narrowed_on_xgrammar_and_exact_on_llguidance(toy
     assert fallback.engine == "xgrammar" and fallback.narrowed == ("#",)  # llguidance refuses minProperties
 
 
+def test_a_bounded_string_routes_to_the_engine_that_takes_its_escapes(toy_engines):
+    """xgrammar writes a bounded string without escapes (narrower, sound): its compile says so, and auto
+    takes llguidance, which accepts the escaped value the schema allows; without a bound, xgrammar."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}}, "required": ["name"]}
+    assert toy_engines["xgrammar"].compile(S.json_schema(schema)).narrowed == ("#/properties/name",)
+    verdicts = _verdicts(toy_engines, schema, [{"name": 'a"b'}, {"name": "ab"}, {"name": "abcde"}])
+    assert verdicts["xgrammar"].over_restricted == ['{"name": "a\\"b"}']
+    routed = toy_engines["auto"].compile(S.json_schema(schema))
+    assert routed.engine == "llguidance" and routed.narrowed == ()
+    assert _verdicts({"auto": toy_engines["auto"]}, schema, [{"name": 'a"b'}])["auto"].accepted_valid == 1
+    unbounded = toy_engines["auto"].compile(S.json_schema({"type": "object", "properties": {"name": {"type": "string"}}}))
+    assert unbounded.engine == "xgrammar" and unbounded.narrowed == ()
+    # as stock vLLM (the plugin): the bounded string on xgrammar, narrowed and saying so; untyped nodes still by meaning
+    as_vllm = E.AutoEngine(toy_tokenizer(), narrow_bounded_strings=True)
+    kept = as_vllm.compile(S.json_schema(schema))
+    assert kept.engine == "xgrammar" and kept.narrowed == ("#/properties/name",)
+    assert as_vllm.compile(S.json_schema({"maxLength": 2})).engine == "llguidance"
+
+
 @pytest.mark.parametrize("table", ["guarantee", "regex"])
 def test_the_docs_tables_are_the_lists(table):
     """The engines guide's tables are generated from the allowlists: a list changed without the guide fails here."""

@@ -12,10 +12,14 @@ neither engine takes it is the request refused, with both reasons. ``unenforced=
 keeps its meaning: llguidance first for what xgrammar would not enforce, then xgrammar
 with the keywords listed.
 
-Routed by meaning: where xgrammar would compile an untyped node as one type (its narrowing,
-``schema_rewrite.narrow``: ``{"maxLength": 2}`` would refuse ``5``, which JSON Schema takes),
+Routed by meaning: where xgrammar would take fewer values than the schema (its narrowing: an
+untyped node compiled as one type, ``schema_rewrite.narrow``: ``{"maxLength": 2}`` would refuse
+``5``, which JSON Schema takes; a bounded string written without escapes: ``"a\\"b"`` refused),
 llguidance, which keeps JSON Schema's meaning there, is tried first; xgrammar's narrowed grammar
 is the fallback, and the result says so (``CompiledGrammar.narrowed``: the nodes' pointers).
+``narrow_bounded_strings=True`` takes xgrammar's escape-free bounded strings as stock vLLM does
+(the vLLM plugin: its greedy tokens stay stock's; llguidance forces a canonical tokenization of
+text the grammar fixes, xgrammar allows any), still routing untyped nodes by meaning.
 
 The two engines' matchers live side by side in one batch: fills and accepts go to the
 engine that made each matcher.
@@ -42,8 +46,9 @@ class AutoEngine(GrammarEngine):
     name = "auto"
 
     def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0, limits=None,
-                 compile_processes: int = 0):
+                 compile_processes: int = 0, narrow_bounded_strings: bool = False):
         super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits)
+        self.narrow_bounded_strings = narrow_bounded_strings
         self.xgrammar = XGrammarEngine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout,
                                        limits=self.limits, compile_processes=compile_processes)
         self._llguidance: LLGuidanceEngine | None = None  # built on first need (~0.3 s at 131k)
@@ -117,7 +122,7 @@ class AutoEngine(GrammarEngine):
         """Whether xgrammar's rewrites would type an untyped node of the schema (meaning narrowed there).
         Its policy checks the limits first; a constraint past them is refused here, for every engine."""
         try:
-            return bool(self.xgrammar.keyword_policy(constraint)[2])
+            return bool(self.xgrammar.keyword_policy(constraint, not self.narrow_bounded_strings)[2])
         except (LimitError, UnsatisfiableError):
             raise
         except ConstraintError:

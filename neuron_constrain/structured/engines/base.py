@@ -60,7 +60,8 @@ class GrammarMatcher(Protocol):
 @dataclasses.dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A constraint compiled for one engine; ``unenforced`` lists what it will not enforce, ``narrowed``
-    the JSON pointers of untyped nodes it compiled as one type (fewer valid instances there, never more)."""
+    the JSON pointers of nodes where it takes fewer valid instances, never more (xgrammar: untyped nodes
+    compiled as one type, bounded strings without escapes)."""
 
     engine: str
     constraint: Constraint

@@ -216,6 +216,16 @@ class XGrammarEngine(GrammarEngine):
         if self.workers is not None:
             self.workers.wait_ready()
 
+    def keyword_policy(self, constraint, bounded_strings: bool = True):
+        """The base policy; ``narrowed`` also lists the bounded strings (``minLength``/``maxLength``) unless
+        ``bounded_strings`` is False: their characters are written without escapes (a quote, a backslash
+        or a newline inside is refused)."""
+        prepared, unenforced, narrowed = super().keyword_policy(constraint)
+        if bounded_strings and constraint.kind == "json_schema" and isinstance(prepared.spec, dict):
+            narrowed += tuple(path for path, node in K.rewrite.walk(prepared.spec)
+                              if {"minLength", "maxLength"} & set(node) and path not in narrowed)
+        return prepared, unenforced, narrowed
+
     def compile(self, constraint) -> CompiledGrammar:
         prepared, unenforced, narrowed = self.keyword_policy(constraint)
         if self.workers is not None:
