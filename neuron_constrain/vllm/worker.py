@@ -76,6 +76,14 @@ log = logging.getLogger("vllm.neuron_constrain")  # under vLLM's logger: its han
 _SAMPLING_EPS = 1e-5  # vLLM's: temperature below it is greedy
 
 
+def _exponential(noise: torch.Tensor) -> None:
+    """Exponential(1) draws in place, as minus the log of uniform draws in [0, 1): torch's ``exponential_``
+    takes about 5x as long on the CPU (0.64 ms against 0.13 ms for a 32,768-token row, one thread). A
+    draw of 0 gives +inf noise: a token that cannot win the race, never one that must. Seeded rows keep
+    ``exponential_`` on the request's generator (vLLM's own stream)."""
+    noise.uniform_().log_().neg_()
+
+
 class NeuronConstrainModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device):
         check_config(vllm_config)
@@ -354,11 +362,11 @@ class NeuronConstrainModelRunner(CPUModelRunner):
             unseeded = sampled[~seeded[sampled]]
             cut_rows = unseeded[~full[unseeded]]
             if len(cut_rows) > 1:
-                noise[: int(cut_rows.max()) + 1, :max_top_k].exponential_()
+                _exponential(noise[: int(cut_rows.max()) + 1, :max_top_k])
             elif len(cut_rows):
-                noise[int(cut_rows[0]), :max_top_k].exponential_()
+                _exponential(noise[int(cut_rows[0]), :max_top_k])
             for r in unseeded[full[unseeded]]:
-                noise[int(r)].exponential_()
+                _exponential(noise[int(r)])
             drafted = sampled[layout.draft[sampled] >= 0] if layout.draft is not None else sampled[:0]
             if len(drafted):
                 inputs.uniform[torch.from_numpy(drafted[~seeded[drafted]])] = torch.rand(int((~seeded[drafted]).sum()))

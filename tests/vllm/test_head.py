@@ -169,3 +169,24 @@ def test_thinking_budget_forces_the_end_token_on_every_path(head):
     finally:
         inputs.processors["thinking_budget_left"].fill_(0)
         inputs.processors["thinking_end_id"].fill_(-1)
+
+
+def test_the_workers_noise_is_exponential_and_never_zero():
+    """Unseeded rows' noise (worker._exponential: minus the log of uniform draws, faster than torch's
+    exponential_): Exponential(1) by its tail at three points, mean and variance; never 0 (a 0 would
+    make its token win the race whatever its logit)."""
+    import math
+
+    from neuron_constrain.vllm.worker import _exponential
+
+    torch.manual_seed(0)
+    noise = torch.empty(8, 32768)
+    _exponential(noise)
+    flat = noise.flatten()
+    assert bool((flat > 0).all())
+    assert abs(flat.mean().item() - 1) < 0.01 and abs(flat.var().item() - 1) < 0.03
+    for x in (0.05, 1.0, 4.0):
+        assert abs((flat > x).double().mean().item() - math.exp(-x)) < 0.005, x
+    before = noise.clone()
+    _exponential(noise[0, :256])  # a view of the program's input: written in place, nothing else
+    assert not torch.equal(noise[0, :256], before[0, :256]) and torch.equal(noise[:, 256:], before[:, 256:])
