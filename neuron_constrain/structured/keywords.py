@@ -73,6 +73,9 @@ class Allowlist:
     entries: tuple[Enforced, ...]
     formats: frozenset
     rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (schema_rewrite.py)
+    # (format, pattern, exact): a format this engine has no sound grammar for, written as a pattern
+    # (exact: the referee's meaning; else narrower, and the node is listed as narrowed)
+    format_patterns: tuple[tuple[str, str, bool], ...] = ()
     evidence: str = ""
     regex: frozenset = frozenset()  # names of patterns.REFUSED this engine enforces exactly
     pattern_form: str = ""  # in words, for the engines guide's regex table
@@ -196,9 +199,18 @@ def _validator(root):
     return cls(root, format_checker=cls.FORMAT_CHECKER)
 
 
+def _format_names(lists: Allowlist) -> list[str]:
+    written = {name: f"{name} (as a pattern{'' if exact else ', narrower'})" for name, _, exact in lists.format_patterns}
+    return [written.get(name, name) for name in sorted(lists.formats | set(written))]
+
+
+_NEGATED = frozenset({"not", "if", "oneOf"})  # keywords whose subschemas a valid value may need to fail
+
+
 def prepare(schema, engine, narrowed: list | None = None):
     """The schema ``engine`` compiles: ``normalize`` (meaning kept), then the engine's own rewrites;
-    ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed."""
+    ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed and
+    of formats it writes as a narrower pattern."""
     lists = allowlist(engine)
     prepared = algebra.lower(schema)  # normalize, and the rewrites of the schema algebra (meaning kept)
     if not isinstance(prepared, dict):
@@ -210,6 +222,15 @@ def prepare(schema, engine, narrowed: list | None = None):
         typed = rewrite.narrow(prepared, lambda node, value: validator.evolve(schema=node).is_valid(value))
         if narrowed is not None:
             narrowed += typed
+    # a narrower pattern under `not`/`if`/`oneOf` (or a `$ref` from one) would widen what the schema accepts
+    negating = any(_NEGATED & set(node) for _, node in walk(prepared))
+    for name, pattern, exact in lists.format_patterns:
+        for path, node in list(walk(prepared)):
+            if node.get("format") == name and "pattern" not in node and (exact or not negating):
+                del node["format"]  # format and pattern both assert on strings only
+                node["pattern"] = pattern
+                if not exact and narrowed is not None:
+                    narrowed.append(path)
     return prepared
 
 
@@ -345,7 +366,7 @@ def guarantee_table() -> str:
             entry = lists[name].entry(keyword)
             cells.append("refused" if entry is None else entry.where)
         rows.append(f"| `{keyword}` | {' | '.join(cells)} |")
-    rows.append(f"| `format` names | | {' | '.join(', '.join(sorted(lists[n].formats)) for n in names)} |")
+    rows.append(f"| `format` names | | {' | '.join(', '.join(_format_names(lists[n])) for n in names)} |")
     return "\n".join(rows)
 
 
