@@ -119,8 +119,9 @@ class AutoEngine(GrammarEngine):
         return (self.llguidance if isinstance(matcher, LLGuidanceMatcher) else self.xgrammar).forced_tokens(matcher)
 
     def _narrowed_on_xgrammar(self, constraint: Constraint) -> bool:
-        """Whether xgrammar's rewrites would type an untyped node of the schema (meaning narrowed there).
-        Its policy checks the limits first; a constraint past them is refused here, for every engine."""
+        """Whether xgrammar would take fewer values than the schema somewhere (an untyped node typed, a
+        format written as a narrower pattern, a bounded string unless ``narrow_bounded_strings``). Its
+        policy checks the limits first; a constraint past them is refused here, for every engine."""
         try:
             return bool(self.xgrammar.keyword_policy(constraint, not self.narrow_bounded_strings)[2])
         except (LimitError, UnsatisfiableError):
