@@ -222,16 +222,29 @@ def prepare(schema, engine, narrowed: list | None = None):
         typed = rewrite.narrow(prepared, lambda node, value: validator.evolve(schema=node).is_valid(value))
         if narrowed is not None:
             narrowed += typed
-    # a narrower pattern under `not`/`if`/`oneOf` (or a `$ref` from one) would widen what the schema accepts
-    negating = any(_NEGATED & set(node) for _, node in walk(prepared))
-    for name, pattern, exact in lists.format_patterns:
-        for path, node in list(walk(prepared)):
-            if node.get("format") == name and "pattern" not in node and (exact or not negating):
-                del node["format"]  # format and pattern both assert on strings only
-                node["pattern"] = pattern
-                if not exact and narrowed is not None:
-                    narrowed.append(path)
+    if lists.format_patterns:
+        _formats_as_patterns(prepared, lists.format_patterns, narrowed)
     return prepared
+
+
+def _formats_as_patterns(schema: dict, format_patterns, narrowed: list | None) -> None:
+    """Each ``format`` of ``format_patterns`` written as its pattern (format and pattern both assert on
+    strings only), where the node has no pattern of its own; a narrower one only in a schema without
+    `not`/`if`/`oneOf` (where it, or a `$ref` to it, would widen what the schema accepts)."""
+    written = {name: (pattern, exact) for name, pattern, exact in format_patterns}
+    nodes = list(walk(schema))
+    negating = any(_NEGATED & set(node) for _, node in nodes)
+    for path, node in nodes:
+        name = node.get("format")
+        if not isinstance(name, str) or name not in written or "pattern" in node:
+            continue
+        pattern, exact = written[name]
+        if negating and not exact:
+            continue
+        del node["format"]
+        node["pattern"] = pattern
+        if not exact and narrowed is not None:
+            narrowed.append(path)
 
 
 def find(schema: dict, engine) -> list[Unenforced]:
