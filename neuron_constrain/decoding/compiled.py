@@ -153,14 +153,18 @@ def _package_path(program, weights: str, folder: pathlib.Path) -> pathlib.Path:
 
 def _package(program, path: pathlib.Path, log) -> bool:
     """Compile ``program`` into ``path`` unless it is there: whether it compiled now."""
-    from torch._inductor import aoti_compile_and_package
+    from torch._inductor import aoti_compile_and_package, config as inductor_config
 
     if path.is_file():
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    # written whole, then moved: no torn package; Inductor freezes only with autograd off (silently)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch, torch.no_grad():
+    # written whole, then moved: no torn package; Inductor freezes only with autograd off (silently).
+    # Inductor's own files for the package (a shared library holding the frozen weights: 750 MB for
+    # SmolLM2) go to the scratch folder too, not to its cache, where they were kept under a fresh key
+    # every build and never read again (1.8 GB a test run).
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch, torch.no_grad(), \
+            inductor_config.patch({"aot_inductor.output_path": scratch}):
         built = aoti_compile_and_package(
             program, package_path=os.path.join(scratch, "program.pt2"), inductor_configs=dict(INDUCTOR_CONFIGS),
         )
