@@ -64,17 +64,24 @@ class AutoEngine(GrammarEngine):
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         strict = dataclasses.replace(constraint, unenforced="refuse") if constraint.kind == "json_schema" else constraint
-        if constraint.kind == "json_schema" and self._narrowed_on_xgrammar(strict):
-            try:  # an engine exact on the whole schema first
-                return self.llguidance.compile(strict)
-            except (ConstraintError, ImportError, ValueError):
-                pass
-        try:
-            return self.xgrammar.compile(strict)
+        try:  # xgrammar's policy once: it routes, and xgrammar's compile takes it
+            policy, narrowed = self._xgrammar_policy(strict)
         except (LimitError, UnsatisfiableError):
             raise  # the constraint's own: no engine would take it
         except ConstraintError as refused:
-            xgrammar_said = str(refused)
+            policy, xgrammar_said = None, str(refused)
+        if policy is not None:
+            if narrowed:
+                try:  # an engine exact on the whole schema first
+                    return self.llguidance.compile(strict)
+                except (ConstraintError, ImportError, ValueError):
+                    pass
+            try:
+                return self.xgrammar.compile(strict, policy)
+            except (LimitError, UnsatisfiableError):
+                raise
+            except ConstraintError as refused:
+                xgrammar_said = str(refused)
         try:
             return self.llguidance.compile(constraint)
         except (ConstraintError, ImportError, ValueError) as error:
@@ -118,16 +125,14 @@ class AutoEngine(GrammarEngine):
     def forced_tokens(self, matcher) -> list[int]:
         return (self.llguidance if isinstance(matcher, LLGuidanceMatcher) else self.xgrammar).forced_tokens(matcher)
 
-    def _narrowed_on_xgrammar(self, constraint: Constraint) -> bool:
-        """Whether xgrammar would take fewer values than the schema somewhere (an untyped node typed, a
-        format written as a narrower pattern, a bounded string unless ``narrow_bounded_strings``). Its
-        policy checks the limits first; a constraint past them is refused here, for every engine."""
-        try:
-            return bool(self.xgrammar.keyword_policy(constraint, not self.narrow_bounded_strings)[2])
-        except (LimitError, UnsatisfiableError):
-            raise
-        except ConstraintError:
-            return False  # xgrammar refuses it: its compile says why
+    def _xgrammar_policy(self, constraint: Constraint):
+        """xgrammar's keyword policy for ``constraint``, and whether xgrammar would take fewer values than the
+        schema somewhere (an untyped node typed, a format written as a narrower pattern, a bounded string
+        unless ``narrow_bounded_strings``). The policy checks the limits first: a constraint past them is
+        refused here, for every engine; a keyword xgrammar would not enforce raises ``ConstraintError``."""
+        prepared, unenforced, typed = self.xgrammar.keyword_policy(constraint, bounded_strings=False)
+        bounded = self.xgrammar.bounded_strings(prepared, typed)
+        return (prepared, unenforced, typed + bounded), bool(typed or (bounded and not self.narrow_bounded_strings))
 
     def close(self) -> None:
         self.xgrammar.close()

@@ -236,13 +236,22 @@ class XGrammarEngine(GrammarEngine):
         ``bounded_strings`` is False: their characters are written without escapes (a quote, a backslash
         or a newline inside is refused)."""
         prepared, unenforced, narrowed = super().keyword_policy(constraint)
-        if bounded_strings and constraint.kind == "json_schema" and isinstance(prepared.spec, dict):
-            narrowed += tuple(path for path, node in K.rewrite.walk(prepared.spec)
-                              if {"minLength", "maxLength"} & set(node) and path not in narrowed)
+        if bounded_strings:
+            narrowed += self.bounded_strings(prepared, narrowed)
         return prepared, unenforced, narrowed
 
-    def compile(self, constraint) -> CompiledGrammar:
-        prepared, unenforced, narrowed = self.keyword_policy(constraint)
+    @staticmethod
+    def bounded_strings(prepared, narrowed: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The pointers of ``prepared``'s bounded strings (``minLength``/``maxLength``), those not in ``narrowed``."""
+        if prepared.kind != "json_schema" or not isinstance(prepared.spec, dict):
+            return ()
+        return tuple(path for path, node in K.rewrite.walk(prepared.spec)
+                     if {"minLength", "maxLength"} & set(node) and path not in narrowed)
+
+    def compile(self, constraint, policy=None) -> CompiledGrammar:
+        """``policy``: what :meth:`keyword_policy` returned for ``constraint`` (``AutoEngine`` routes by it
+        first), not computed again."""
+        prepared, unenforced, narrowed = policy or self.keyword_policy(constraint)
         if self.workers is not None:
             grammar = self.workers.compile(prepared, self.limits.compile_seconds)
         else:
