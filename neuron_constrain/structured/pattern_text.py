@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.code_points import complement, subtract
-from neuron_constrain.structured.patterns import Pattern, full_match, parse
+from neuron_constrain.structured.patterns import CONTROLS_WITHOUT_ESCAPES, Pattern, full_match, parse
 
 def _escape(code: int) -> str:
     char = chr(code)
@@ -151,7 +151,8 @@ def constraint_regex(source: str, engine: str, enforced: frozenset = frozenset()
     or :class:`ConstraintError` naming a refused feature the engine does not enforce (``enforced``)."""
     try:
         pattern = parse(source)
-        refusal = pattern.refusal(enforced)
+        # matched against the raw output: no JSON escapes for a set without the quote to confuse
+        refusal = pattern.refusal(enforced | {CONTROLS_WITHOUT_ESCAPES})
         if refusal is not None:
             raise refusal
         return to_regex(pattern, search=False, anchored=False)

@@ -54,6 +54,7 @@ REWRITES = {
     "edge anchor": "`^`/`$` at the edges of a branch -> the search written as a full match",
     "unmatchable anchor": "a `^` after text that cannot be empty (or `$` before) -> that branch matches nothing",
 }
+CONTROLS_WITHOUT_ESCAPES = "every control character without the quote or backslash"
 # Constructs no engine enforces with the referee's meaning, or that the dialects read differently.
 REFUSED = {
     "lookahead": "`(?=...)`: xgrammar ignores it, llguidance refuses it",
@@ -71,6 +72,8 @@ REFUSED = {
                         "two hex digits, octal): write the character",
     "empty class": "`[]`/`[^]`: ECMA-262 reads no character / any character, Python's re a literal `]`",
     "class escape in a range": "`[\\d-z]`: ECMA-262 (u flag) and Python's re refuse it",
+    CONTROLS_WITHOUT_ESCAPES: "a set holding every control character (U+0000-U+001F) but not `\"` or `\\` (`[^\"]`, "
+                              "`[^\\\\]`): llguidance 1.9 also takes the escaped quote and backslash there, in a JSON string",
 }
 
 
@@ -198,7 +201,10 @@ class _Parser:
             self.note("dot", start)
             return ("chars", subtract(ANY, ((0x0A, 0x0A),) if self.wide else LINE_TERMINATORS))
         if char == "[":
-            return ("chars", self.char_class(start))
+            members = self.char_class(start)
+            if _covers(members, 0x00, 0x1F) and not (_covers(members, 0x22, 0x22) and _covers(members, 0x5C, 0x5C)):
+                self.note(CONTROLS_WITHOUT_ESCAPES, start)
+            return ("chars", members)
         if char == "(":
             return self.group(start, depth)
         if char == "\\":
@@ -368,6 +374,11 @@ def parse(source: str, wide: bool = False) -> Pattern:
         newline = ("repeat", ("chars", ((0x0A, 0x0A),)), 0, 1)
         branches = tuple((left, right, items + (newline,) if right else items) for left, right, items in branches)
     return Pattern(source, tree, tuple(parser.features), branches)
+
+
+def _covers(ranges, low: int, high: int) -> bool:
+    """Whether the code points ``low..high`` all lie in ``ranges`` (sorted, disjoint, merged)."""
+    return any(lo <= low and high <= hi for lo, hi in ranges)
 
 
 # --------------------------------------------------------------------------- anchors to the edges

@@ -64,6 +64,9 @@ def test_untyped_assertions_never_accept_an_invalid_instance(toy_engines, case):
 
 @SETTINGS
 @example(case=({"type": "object", "anyOf": [{"type": ["string", "null"]}]}, [None, "a", {}]))
+@example(case=({"not": {"pattern": "^a"}}, [5, "b", "ab"]))  # the complement took every non-string
+@example(case=({"type": "object", "oneOf": [{"maxLength": 0, "pattern": "^a"}, {"maxLength": 0, "pattern": "^a"}]},
+               [{}, {"c": None}]))
 @given(case=schema_and_instances("combinators"))
 def test_combinators_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
@@ -94,6 +97,8 @@ def test_applicators_never_accept_an_invalid_instance(toy_engines, case):
 @example(case=({"type": "string", "pattern": "^[[:alpha:]]$"}, ["a", "a]", ":]"]))  # llguidance: a POSIX class
 @example(case=({"type": "object", "propertyNames": {"pattern": "^(?!a)"}}, [{"a": 1}, {"b": 1}]))
 @example(case=({"type": "string", "pattern": "b"}, ["abc", "b", "a"]))
+@example(case=({"type": "string", "pattern": '[^"]b'}, ['"b', "xb"]))  # llguidance took the escaped quote
+@example(case=({"type": "string", "pattern": "^[^\\\\]b$"}, ["\\b", "xb"]))
 @given(case=schema_and_instances("patterns"))
 def test_patterns_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
@@ -119,6 +124,12 @@ def test_regex_constraints_never_accept_what_python_re_refuses(toy_engines, case
 @example(case=({"type": "array", "items": False, "allOf": [{"prefixItems": [{"type": "integer"}]}]}, [[1], []]))
 @example(case=({"type": "object", "allOf": [{"properties": {"a": {}}}], "properties": {"b": {}},
                 "additionalProperties": False}, [{"a": 1}, {"b": 2}]))
+@example(case=({"type": "object", "dependentRequired": {"a": ["b"]},  # xgrammar merged an allOf holding an anyOf
+                "oneOf": [{"properties": {"a": {"type": "integer"}}}, {"type": "string"}]}, [{"a": 1}, ",", {"a": 1, "b": 2}]))
+@example(case=({"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"maxLength": 1}},
+               [{"a": "x"}, {"a": 1}, {"bc": 1}]))  # xgrammar dropped properties beside propertyNames
+@example(case=({"type": ["object", "null"], "propertyNames": {"maxLength": 1}, "additionalProperties": False},
+               [{"a": 1}, {}, None]))
 @given(case=schema_and_instances("adjacency"))
 def test_adjacent_keywords_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
@@ -242,6 +253,35 @@ def test_a_bounded_string_routes_to_the_engine_that_takes_its_escapes(toy_engine
     kept = as_vllm.compile(S.json_schema(schema))
     assert kept.engine == "xgrammar" and kept.narrowed == ("#/properties/name",)
     assert as_vllm.compile(S.json_schema({"maxLength": 2})).engine == "llguidance"
+
+
+@pytest.mark.parametrize("schema", [{"type": "object", "minProperties": 2},
+                                    {"type": "object", "properties": {"b": {}}, "minProperties": 2}])
+def test_a_repeated_key_never_counts_twice(toy_engines, schema):
+    """xgrammar counts keys as written and may repeat an additional one; a JSON reader keeps one:
+    `{"b": 1, "b": 2}` has one property, so at least two is refused there unless the object is closed."""
+    text = '{"b": 1, "b": 2}'
+    assert len(json.loads(text)) == 1
+    for name, engine in toy_engines.items():
+        try:
+            compiled = engine.compile(S.json_schema(schema, strict=False))
+        except S.ConstraintError:
+            continue
+        assert not force(engine, compiled, engine.tokenizer.encode(text)), f"{name} took a repeated key as two"
+    closed = {**schema, "properties": {"a": {}, "b": {}}, "additionalProperties": False}
+    compiled = toy_engines["xgrammar"].compile(S.json_schema(closed))
+    assert force(toy_engines["xgrammar"], compiled, toy_engines["xgrammar"].tokenizer.encode('{"a": 1, "b": 2}'))
+    assert not force(toy_engines["xgrammar"], compiled, toy_engines["xgrammar"].tokenizer.encode(text))
+
+
+def test_closed_object_names_are_judged_once(toy_engines):
+    """`propertyNames` beside `additionalProperties: false` keeps the declared names it takes (the algebra),
+    so both engines compile it exactly."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "bc": {}}, "propertyNames": {"maxLength": 1},
+              "additionalProperties": False}
+    for name in ("xgrammar", "llguidance"):
+        verdict = _verdicts({name: toy_engines[name]}, schema, [{"a": 1}, {"bc": 1}, {"a": "x"}, {}])[name]
+        assert verdict.refused is None and not verdict.unsound and verdict.accepted_valid == 2, verdict
 
 
 def test_auto_reads_a_schema_once_for_xgrammar(toy_engines, monkeypatch):

@@ -17,7 +17,8 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
                           dependentSchemas, if/then/else, oneOf -> anyOf; not -> its complement
                           (a pattern's: regular.py, through automata)
       finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
-                          finite item domains -> the enum of the arrays
+                          finite item domains -> the enum of the arrays; propertyNames of a closed
+                          object -> the declared names it takes
 
 Every rewrite keeps the set of valid values exactly (``tests/structured/test_schema_algebra.py`` checks it
 with ``jsonschema`` against the schema as sent, and teacher-forces the engines); a rewrite whose
@@ -54,6 +55,7 @@ REWRITES = {
     "minContains": "with `contains`",
     "maxContains": "with `contains`",
     "uniqueItems": "over finite item domains: the `enum` of the arrays",
+    "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped",
     "unevaluatedProperties": "`additionalProperties` per case, where the applicators fix what is evaluated",
     "unevaluatedItems": "`items` per case, where the applicators fix what is evaluated",
     "$dynamicRef": "`$ref` per dynamic scope, where the document fixes it",
@@ -69,10 +71,11 @@ STEPS = (
     ("not", conditionals.negation),
     ("contains", finite.contains),
     ("uniqueItems", finite.unique_items),
+    ("propertyNames", finite.closed_names),
 )
 
 
-_HANDLED = conditionals.ELIMINATED | {"oneOf"}  # a schema without these needs only normalize
+_HANDLED = conditionals.ELIMINATED | {"oneOf", "propertyNames"}  # a schema without these needs only normalize
 
 
 def lower(schema):

@@ -6,6 +6,8 @@
                                                        lies inside C or outside it (the count is the length's)
     {contains: C, maxContains: 0}                   -> items: S ∧ not-C
     {maxItems: 3, contains: C}                      -> anyOf over the first position holding C
+    {properties: P, additionalProperties: false,
+     propertyNames: N}                              -> the properties of P whose names N takes
 
 A node whose values are finite (``enum``, ``const``, an ``allOf`` branch with one, or a ``type`` of
 ``null``/``boolean``) becomes the ``enum`` of the values ``jsonschema`` accepts for the whole node,
@@ -99,6 +101,27 @@ def unique_items(node: dict, path: str, judge):
         del node[key]
     others = logic.atoms(node) - {"array"}
     return attach(node, join([{"type": logic.type_keyword(others)} if others else False, values_schema(kept)]))
+
+
+def closed_names(node: dict, path: str, judge):
+    """``propertyNames`` of a closed object (``additionalProperties: false``, no ``patternProperties``):
+    every key is a declared property, so the names are judged here, once: those ``propertyNames``
+    refuses leave ``properties`` (absent is forbidden there), and the keyword goes. A refused name that
+    is ``required`` leaves the node as it is (no object is valid; the engines' policies decide)."""
+    names, properties = node.get("propertyNames"), node.get("properties", {})
+    if names is None or node.get("additionalProperties") is not False or "patternProperties" in node \
+            or not isinstance(properties, dict):
+        return node
+    try:
+        refused = {name for name in properties if not judge.valid(names, name)}
+    except judge.Unjudged:
+        return node
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if refused & set(required):
+        return node
+    node["properties"] = {name: sub for name, sub in properties.items() if name not in refused}
+    del node["propertyNames"]
+    return node
 
 
 def values_schema(values: list):

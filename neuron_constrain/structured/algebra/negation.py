@@ -105,11 +105,9 @@ def _complement_conjunct(group: dict, resolve, seen):
             target = resolve(value)
             return None if target is None else complement(target, resolve, seen | {value})
     if key == "pattern" and len(group) == 1 and isinstance(value, str):
-        other = {"type": type_keyword(ATOMS - FAMILY_ATOMS["string"])}
+        # the strings the pattern does not match (every other value satisfies `pattern`: none is rejected)
         written = complement_pattern(value)
-        if written is None or written is False:
-            return None if written is None else other
-        return join([other, {"type": "string", "pattern": written}])
+        return written if written is None or written is False else _typed("string", pattern=written)
     if key in OBJECT_UNIT and set(group) == {"properties"} and isinstance(value, dict):
         cases = []
         for name, sub in value.items():

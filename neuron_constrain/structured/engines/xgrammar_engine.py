@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import xgrammar as xgr
 
-from neuron_constrain.structured import keywords as K
+from neuron_constrain.structured import keywords as K, patterns
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, encode_continuation, fill_each
 from neuron_constrain.structured.engines.fill_threads import RowFillers
 from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, parse_constraint, xgrammar_info
@@ -113,6 +113,22 @@ def _escaped_names(node, root):
     return None
 
 
+def _names_alone(node, root):
+    """xgrammar 0.2.8 writes any key `propertyNames` takes with any value, dropping the node's `properties`,
+    `additionalProperties` and `unevaluatedProperties` (``{"a": "x"}`` taken where `a` must be an integer)."""
+    beside = [k for k in ("properties", "additionalProperties", "unevaluatedProperties", "patternProperties") if k in node]
+    return f"beside `{beside[0]}`, which xgrammar drops there" if beside else None
+
+
+def _distinct_keys(node, root):
+    """xgrammar counts keys as written: an additional key may repeat (``{"b": 1, "b": 2}``), which a JSON
+    reader takes as one property. At least two properties only where no key is additional."""
+    value = node.get("minProperties")
+    if not isinstance(value, int) or value <= 1 or node.get("additionalProperties") is False:
+        return None
+    return "at least 2 with additional properties, which xgrammar may write twice under one name"
+
+
 def _no_pattern(node, root):
     return "beside `pattern`, which xgrammar keeps alone (it warns)" if "pattern" in node else None
 
@@ -130,6 +146,9 @@ def _allof_single(node, root):
         return "branches sharing a keyword are not intersected"
     if branches and K.rewrite.splits_a_unit(node, branches[0]):  # xgrammar merges the branch into the node
         return "its branch holds one half of an adjacency unit (e.g. `properties` beside `additionalProperties`)"
+    alone = [k for k in _ALONE if isinstance(branches[0], dict) and k in branches[0]] if branches else []
+    if alone and (K.rewrite.VOCABULARY - {"allOf"}) & set(node):  # merged, it would drop the node's own
+        return f"its branch holds `{alone[0]}`, which xgrammar compiles alone once merged: the node's assertions are dropped"
     return None
 
 
@@ -187,14 +206,16 @@ def _entries():
            obj, _escaped_names),
         on("additionalProperties", typed_where, obj),
         on("required", f"{typed_where}, each name listed in `properties`", obj, _required_in_properties),
-        on("minProperties", typed_where, obj, K.count("minProperties")),
+        on("minProperties", f"{typed_where}; above 1 only with `additionalProperties: false`", obj, _distinct_keys,
+           K.count("minProperties")),
         on("maxProperties", typed_where, obj, K.count("maxProperties")),
-        on("propertyNames", typed_where, obj),
+        on("propertyNames", f"{typed_where}, without `properties`/`additionalProperties` beside it", obj, _names_alone),
     )
 
 
 ENFORCES = K.register(K.Allowlist(
     "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "narrow"), format_patterns=FORMAT_PATTERNS,
+    regex=frozenset({patterns.CONTROLS_WITHOUT_ESCAPES}),  # the library writes the JSON escapes (pattern_text.to_ebnf)
     evidence="tests/structured/test_soundness.py (the differential test) and tests/structured/test_keywords.py's probes, xgrammar 0.2.8",
     pattern_form="EBNF written by the library (`pattern_text.to_ebnf`), over the JSON-escaped text",
 ))
