@@ -442,7 +442,10 @@ def _edges(tree, parser: _Parser) -> tuple:
             items = items[starts[-1] + 1:]  # what precedes the last ^ can only match the empty string
         if ends:
             first = next((i for i, item in enumerate(items) if item[0] == "end"), None)
-            if first is None:  # a $ before the last ^: only the empty string
+            if first is None:  # a $ before the last ^: only the empty string, if what follows the ^ takes it
+                if not all(nullable(x) for x in items):
+                    parser.note("unmatchable anchor", 0)
+                    continue
                 items = []
             elif not all(nullable(x) for x in items[first + 1:]):
                 parser.note("unmatchable anchor", 0)

@@ -77,6 +77,8 @@ def test_combinators_never_accept_an_invalid_instance(toy_engines, case):
 @example(case=({"$defs": {"d": {"$anchor": "here", "type": "integer"}}, "$ref": "#here"}, ["x", 1]))
 @example(case=({"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, ["x", 1]))
 @example(case=({"$ref": "https://example.com/elsewhere.json"}, ["x", 1]))
+@example(case=({"$defs": {"a/b": {"type": ["array", "null"], "unevaluatedItems": False, "enum": [[None]]}},
+                "$ref": "#/$defs/a~1b"}, ["abc", [], None, [None]]))  # a shared alias, emptied by a rewrite in place
 @given(case=schema_and_instances("references"))
 def test_references_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
@@ -99,6 +101,7 @@ def test_applicators_never_accept_an_invalid_instance(toy_engines, case):
 @example(case=({"type": "string", "pattern": "b"}, ["abc", "b", "a"]))
 @example(case=({"type": "string", "pattern": '[^"]b'}, ['"b', "xb"]))  # llguidance took the escaped quote
 @example(case=({"type": "string", "pattern": "^[^\\\\]b$"}, ["\\b", "xb"]))
+@example(case=({"type": "string", "pattern": '^[^"]?$(^[^"]?$(^1))'}, ["", "1"]))  # `$` before the last `^`
 @given(case=schema_and_instances("patterns"))
 def test_patterns_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
@@ -111,6 +114,7 @@ REGEX_CASES = PATTERNS_DRAWN.flatmap(lambda p: pattern_strings(p).map(lambda str
 @example(case=("a.b", ["a\nb", "axb"]))  # xgrammar's `.` took a newline
 @example(case=("a^b|c", ["ab", "c"]))  # xgrammar ignored the anchor in the middle
 @example(case=("[\\^a]", ["b", "^", "a"]))  # xgrammar read a leading \^ in a class as negation
+@example(case=("^a?$^b", ["", "b", "ab"]))
 @given(case=REGEX_CASES)
 def test_regex_constraints_never_accept_what_python_re_refuses(toy_engines, case):
     pattern, strings = case

@@ -86,6 +86,7 @@ def lower(schema):
         if not isinstance(schema, dict):
             return schema
         if any(_HANDLED & set(node) for _, node in rewrite.walk(schema)):
+            schema = json.loads(json.dumps(schema))  # no subschema shared (normalize's aliases are): edited in place below
             hoist(schema)
             judge = Judge(schema, declared)
             schema = finite.collapse(schema, judge)
