@@ -436,16 +436,20 @@ def _edges(tree, parser: _Parser) -> tuple:
         ends = [i for i, item in enumerate(items) if item[0] == "end"]
         left, right = bool(starts), bool(ends)
         if starts:
-            if not all(nullable(x) for x in items[:starts[-1]]):
+            before, items = items[:starts[-1]], items[starts[-1] + 1:]
+            if not all(nullable(x) for x in before):
                 parser.note("unmatchable anchor", 0)
                 continue
-            items = items[starts[-1] + 1:]  # what precedes the last ^ can only match the empty string
-        if ends:
-            first = next((i for i, item in enumerate(items) if item[0] == "end"), None)
-            if first is None:  # a $ before the last ^: only the empty string, if what follows the ^ takes it
+            # what precedes the last ^ can only match the empty string; a $ there leaves only the empty text
+            # (ECMA-262; Python's re also takes a lone newline: refused here, never taken wrongly)
+            if any(x[0] == "end" for x in before):
                 if not all(nullable(x) for x in items):
                     parser.note("unmatchable anchor", 0)
                     continue
+                items, right = [], True
+        if ends:
+            first = next((i for i, item in enumerate(items) if item[0] == "end"), None)
+            if first is None:  # every $ was before the last ^: handled above
                 items = []
             elif not all(nullable(x) for x in items[first + 1:]):
                 parser.note("unmatchable anchor", 0)

@@ -102,6 +102,7 @@ def test_applicators_never_accept_an_invalid_instance(toy_engines, case):
 @example(case=({"type": "string", "pattern": '[^"]b'}, ['"b', "xb"]))  # llguidance took the escaped quote
 @example(case=({"type": "string", "pattern": "^[^\\\\]b$"}, ["\\b", "xb"]))
 @example(case=({"type": "string", "pattern": '^[^"]?$(^[^"]?$(^1))'}, ["", "1"]))  # `$` before the last `^`
+@example(case=({"type": "string", "pattern": "[^a]?$(?:^[^a]?$(?: ?)?)"}, [":", ""]))  # a `$` dropped with the text before `^`
 @given(case=schema_and_instances("patterns"))
 def test_patterns_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
