@@ -351,10 +351,20 @@ def raw_json(value) -> str:
     return json.dumps(value)
 
 
+def repeated_key(value) -> str | None:
+    """An object written with its first member twice (``{"a": 1, "a": 1, "b": 2}``): a JSON reader keeps
+    one, so a grammar that counts members as written (``minProperties``) must not take it for two."""
+    if not isinstance(value, dict) or not value:
+        return None
+    members = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}" for k, v in value.items()]
+    return "{" + ", ".join(members[:1] + members) + "}"
+
+
 def differential(engine, schema, instances, *, tokenizer=None, strict: bool = False, samples: int = 2) -> Verdict:
     """``schema`` compiled on ``engine`` (default policy), each instance teacher-forced and judged by
     ``jsonschema`` (:func:`keywords.post_validate`: the declared draft, formats asserted); each
-    instance's raw spelling (:func:`raw_json`) too, where it differs; and ``samples`` random walks
+    instance's raw spelling (:func:`raw_json`) too, where it differs, and an object's spelling with a key
+    written twice (:func:`repeated_key`); and ``samples`` random walks
     through the grammar's masks (:func:`walks`), judged the same way."""
     verdict = Verdict(engine.name, schema)
     try:
@@ -381,6 +391,11 @@ def differential(engine, schema, instances, *, tokenizer=None, strict: bool = Fa
             why_raw = post_validate(schema, raw)
             if why_raw is not None and force(engine, compiled, encode(raw)):
                 verdict.unsound.append((raw, f"raw spelling: {why_raw}"))
+        twice = repeated_key(instance)
+        if twice is not None:
+            why_twice = post_validate(schema, twice)
+            if why_twice is not None and force(engine, compiled, encode(twice)):
+                verdict.unsound.append((twice, f"a key written twice: {why_twice}"))
     decode = (tokenizer or engine.tokenizer).decode
     for tokens in walks(engine, compiled, samples, seed=zlib.crc32(json.dumps(schema, sort_keys=True).encode())):
         text = decode(tokens)
