@@ -40,6 +40,11 @@ def complement(ranges) -> tuple:
     return normalize(out)
 
 
+def covers(ranges, low: int, high: int) -> bool:
+    """Whether the code points ``low..high`` all lie in ``ranges`` (sorted, disjoint, merged)."""
+    return any(lo <= low and high <= hi for lo, hi in ranges)
+
+
 def subtract(ranges, removed) -> tuple:
     keep = complement(removed)
     out = []

@@ -36,7 +36,8 @@ import dataclasses
 import functools
 import re
 
-from neuron_constrain.structured.code_points import ANY, LINE_TERMINATORS, complement, normalize, shorthand, subtract
+from neuron_constrain.structured.code_points import (ANY, LINE_TERMINATORS, complement, covers, normalize, shorthand,
+                                                     subtract)
 from neuron_constrain.structured.constraints import ConstraintError
 
 MAX_DEPTH = 200  # nested groups; deeper is refused (the parser recurses once a level)
@@ -202,7 +203,7 @@ class _Parser:
             return ("chars", subtract(ANY, ((0x0A, 0x0A),) if self.wide else LINE_TERMINATORS))
         if char == "[":
             members = self.char_class(start)
-            if _covers(members, 0x00, 0x1F) and not (_covers(members, 0x22, 0x22) and _covers(members, 0x5C, 0x5C)):
+            if covers(members, 0x00, 0x1F) and not (covers(members, 0x22, 0x22) and covers(members, 0x5C, 0x5C)):
                 self.note(CONTROLS_WITHOUT_ESCAPES, start)
             return ("chars", members)
         if char == "(":
@@ -376,11 +377,6 @@ def parse(source: str, wide: bool = False) -> Pattern:
     return Pattern(source, tree, tuple(parser.features), branches)
 
 
-def _covers(ranges, low: int, high: int) -> bool:
-    """Whether the code points ``low..high`` all lie in ``ranges`` (sorted, disjoint, merged)."""
-    return any(lo <= low and high <= hi for lo, hi in ranges)
-
-
 # --------------------------------------------------------------------------- anchors to the edges
 def _has_anchor(node) -> bool:
     kind = node[0]
@@ -440,8 +436,7 @@ def _edges(tree, parser: _Parser) -> tuple:
             if not all(nullable(x) for x in before):
                 parser.note("unmatchable anchor", 0)
                 continue
-            # what precedes the last ^ can only match the empty string; a $ there leaves only the empty text
-            # (ECMA-262; Python's re also takes a lone newline: refused here, never taken wrongly)
+            # before the last ^ only the empty string; a $ there: only the empty text (Python also takes "\n")
             if any(x[0] == "end" for x in before):
                 if not all(nullable(x) for x in items):
                     parser.note("unmatchable anchor", 0)
