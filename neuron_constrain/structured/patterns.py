@@ -441,7 +441,7 @@ def _edges(tree, parser: _Parser) -> tuple:
                 if not all(nullable(x) for x in items):
                     parser.note("unmatchable anchor", 0)
                     continue
-                items, right = [], True
+                items = []  # `right` holds already: a $ was there
         if ends:
             first = next((i for i, item in enumerate(items) if item[0] == "end"), None)
             if first is None:  # every $ was before the last ^: handled above

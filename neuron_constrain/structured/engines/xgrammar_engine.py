@@ -146,7 +146,8 @@ def _allof_single(node, root):
         return "branches sharing a keyword are not intersected"
     if branches and K.rewrite.splits_a_unit(node, branches[0]):  # xgrammar merges the branch into the node
         return "its branch holds one half of an adjacency unit (e.g. `properties` beside `additionalProperties`)"
-    alone = [k for k in _ALONE if isinstance(branches[0], dict) and k in branches[0]] if branches else []
+    first = branches[0] if branches and isinstance(branches[0], dict) else {}
+    alone = [k for k in _ALONE if k in first]
     if alone and (K.rewrite.VOCABULARY - {"allOf"}) & set(node):  # merged, it would drop the node's own
         return f"its branch holds `{alone[0]}`, which xgrammar compiles alone once merged: the node's assertions are dropped"
     return None
