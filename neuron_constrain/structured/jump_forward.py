@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from neuron_constrain.structured.item_tracker import UniqueItemsMatcher
+
 MODES = ("exact", "canonical")
 
 
@@ -66,7 +68,8 @@ def canonical_run(engine, matcher, limit: int, scratch: torch.Tensor) -> list[in
         return []
     run: list[int] = []
     try:
-        for token in engine.forced_tokens(matcher)[:limit]:
+        grammar = matcher.grammar if type(matcher) is UniqueItemsMatcher else matcher  # the tracker refuses below
+        for token in engine.forced_tokens(grammar)[:limit]:
             if not matcher.accept_token(token):
                 break
             run.append(token)

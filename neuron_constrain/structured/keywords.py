@@ -143,6 +143,17 @@ def count(keyword: str) -> Unless:
     return unless
 
 
+def distinct_keys(node, root) -> str | None:
+    """The engines count keys as written: an additional key may repeat (``{"b": 1, "b": 2}``), which a JSON
+    reader takes as one property. ``minProperties`` above 1 only where every key is a declared property
+    (each written once)."""
+    value = node.get("minProperties")
+    if not isinstance(value, int) or value <= 1 or (node.get("additionalProperties") is False
+                                                    and "patternProperties" not in node):
+        return None
+    return "at least 2 with additional properties, which the engine may write twice under one name"
+
+
 def number(keyword: str) -> Unless:
     def unless(node, root):
         value = node.get(keyword)
@@ -192,7 +203,8 @@ def allowlist(engine) -> Allowlist:
 
 
 # --------------------------------------------------------------------------- the policy
-def _validator(root):
+def validator(root):
+    """``jsonschema``'s validator of ``root`` under its declared draft, formats asserted (the referee)."""
     import jsonschema  # the `test` extra
 
     cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
@@ -218,8 +230,8 @@ def prepare(schema, engine, narrowed: list | None = None):
     if "distribute" in lists.rewrites:
         rewrite.distribute(prepared)
     if "narrow" in lists.rewrites:
-        validator = _validator(prepared)
-        typed = rewrite.narrow(prepared, lambda node, value: validator.evolve(schema=node).is_valid(value))
+        referee = validator(prepared)
+        typed = rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))
         if narrowed is not None:
             narrowed += typed
     if lists.format_patterns:
@@ -247,23 +259,31 @@ def _formats_as_patterns(schema: dict, format_patterns, narrowed: list | None) -
             narrowed.append(path)
 
 
-def find(schema: dict, engine) -> list[Unenforced]:
-    """Every keyword of ``schema`` (already :func:`prepare`-d) that ``engine`` would not enforce, in schema order."""
+def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
+    """Every keyword of ``schema`` (already :func:`prepare`-d) that ``engine`` would not enforce, in schema order;
+    ``tracker``: the schema's ``unique_items.Plan``, which enforces them on the host unless it says why not."""
     lists = allowlist(engine)
     others = [other for other in allowlists().values() if other.engine != lists.engine]
-    found = []
+    found, judged = [], _judged(schema, tracker)
     for path, node in walk(schema):
+        if any(path == j or path.startswith(j + "/") for j in judged):
+            continue  # a `contains` the tracker judges whole (jsonschema on each item)
         for keyword in node:
             if keyword not in rewrite.VOCABULARY:
                 continue
             why = lists.why_not(keyword, node, schema)
+            if why is not None and tracker is not None and keyword in tracker.KEYWORDS:
+                if tracker.takes(node):
+                    continue  # the host's tracker enforces it (unique_items.py)
+                if tracker.untracked is not None:
+                    why = f"{why}; the host's tracker neither: {tracker.untracked}"
             if why is None:
                 continue
             enforced_by = tuple(o.engine for o in others if o.why_not(keyword, node, schema) is None
                                 and not o.entry(keyword).engine_decides)
             found.append(Unenforced(keyword, f"{path}/{rewrite.escape(keyword)}", lists.engine, enforced_by, why))
     for path, keyword, node, source in pattern_sites(schema):
-        if lists.why_not(keyword, node, schema) is not None:
+        if any(path.startswith(j + "/") for j in judged) or lists.why_not(keyword, node, schema) is not None:
             continue  # the keyword itself is not enforced there: found above
         feature = unenforced_feature(parse_pattern(source, path), lists)
         if feature is not None:
@@ -273,6 +293,13 @@ def find(schema: dict, engine) -> list[Unenforced]:
                    f"{patterns.REFUSED[feature.name]}")
             found.append(Unenforced(keyword, path, lists.engine, enforced_by, why))
     return found
+
+
+def _judged(schema: dict, tracker) -> list[str]:
+    """The pointers of the ``contains`` subschemas the tracker judges itself (none without a tracker)."""
+    if tracker is None:
+        return []
+    return [f"{path}/contains" for path, node in walk(schema) if "contains" in node and tracker.takes(node)]
 
 
 # --------------------------------------------------------------------------- patterns
@@ -341,12 +368,12 @@ def _refusal(item: Unenforced, more: int) -> ConstraintError:
     return error
 
 
-def check(schema: dict, engine, policy: str = "refuse") -> tuple[Unenforced, ...]:
+def check(schema: dict, engine, policy: str = "refuse", tracker=None) -> tuple[Unenforced, ...]:
     """Apply the policy to a prepared schema: ``refuse`` raises on the first unenforced keyword;
-    ``allow`` returns them all."""
+    ``allow`` returns them all. ``tracker``: as :func:`find`."""
     if policy not in POLICIES:
         raise ConstraintError(f"unenforced={policy!r} is not a policy; pass one of {', '.join(POLICIES)}")
-    found = find(schema, engine)
+    found = find(schema, engine, tracker)
     if found and policy == "refuse":
         raise _refusal(found[0], len(found) - 1)
     return tuple(found)

@@ -10,8 +10,10 @@ properties and additionalProperties), ``conditional`` (if/then/else deciding by 
 property's const/enum, a bound, a pattern), ``negation`` (not over the same, nested), ``one_of`` (branches that
 overlap or not), ``contains`` (contains/minContains/maxContains with items, prefixItems, maxItems),
 ``unevaluated`` (unevaluatedProperties/Items through allOf/anyOf/oneOf/if/$ref/dependentSchemas),
-``dynamic`` ($dynamicRef scopes), ``unique`` (uniqueItems over finite item domains), ``dialects``
-(draft-4/6/7/2019-09 spellings), ``finite`` (keywords beside a finite enum). Instances are drawn from a
+``dynamic`` ($dynamicRef scopes), ``unique`` (uniqueItems over finite item domains, and unbounded ones
+the host's tracker takes), ``dialects``
+(draft-4/6/7/2019-09 spellings), ``finite`` (keywords beside a finite enum), ``conjunction`` (allOf
+branches sharing keywords, overlapping patternProperties, min/maxProperties). Instances are drawn from a
 small domain around the schemas' own names and literals, so about half are invalid.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ SCALARS = (None, True, False, -1, 0, 1, 2, 3, 1.5, "", "a", "b", "ab", "ba", "a\
 # patterns a complement or an intersection is made of (regular.py): anchors, sets, counts, a shorthand class
 PATTERNS = ("^a", "b$", "^a.?b$", "[ab]{2}", "^$", "\\d", "^(ab|b)*$", "^[^\\d]$")
 REGIONS = ("dependent", "conditional", "negation", "one_of", "contains", "unevaluated", "dynamic", "unique",
-           "dialects", "finite")
+           "dialects", "finite", "conjunction")
 
 
 def _either(*strategies):
@@ -133,7 +135,8 @@ def _dynamic():
 
 def _unique():
     finite = st.sampled_from(({"enum": ["a", "b", 1]}, {"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": 2},
-                              {"const": 1}, {"type": ["boolean", "null"]}, {"enum": [1, 1.0, True]}))
+                              {"const": 1}, {"type": ["boolean", "null"]}, {"enum": [1, 1.0, True]},
+                              {"type": "string"}, {"type": ["integer", "boolean"]}, {}))  # unbounded: the host's tracker
     return st.fixed_dictionaries({"uniqueItems": st.just(True), "items": finite}, optional={
         "type": st.just("array"), "maxItems": st.integers(0, 3), "minItems": st.integers(0, 2),
         "prefixItems": st.lists(finite, min_size=1, max_size=2)})
@@ -167,9 +170,20 @@ def _finite():
     return st.tuples(st.lists(VALUES, min_size=1, max_size=4), stuck).map(lambda p: {"enum": p[0], **p[1]})
 
 
+def _conjunction():
+    count = st.integers(0, 2)
+    node = st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(("object", "string", ["object", "string"])), "pattern": st.sampled_from(PATTERNS),
+        "minLength": count, "maxLength": count, "minimum": count, "required": NAMES,
+        "properties": st.dictionaries(st.sampled_from(KEYS), LEAF, min_size=1, max_size=2),
+        "patternProperties": st.dictionaries(st.sampled_from(PATTERNS), LEAF, min_size=1, max_size=3),
+        "additionalProperties": _either(st.just(False), LEAF), "minProperties": count, "maxProperties": count})
+    return st.tuples(node, st.lists(node, max_size=3)).map(lambda p: {**p[0], **({"allOf": p[1]} if p[1] else {})})
+
+
 _BUILD = {"dependent": _dependent, "conditional": _conditional, "negation": _negation, "one_of": _one_of,
           "contains": _contains, "unevaluated": _unevaluated, "dynamic": _dynamic, "unique": _unique,
-          "dialects": _dialects, "finite": _finite}
+          "dialects": _dialects, "finite": _finite, "conjunction": _conjunction}
 
 
 def algebra_case(region: str, *, count: int = 12):

@@ -122,6 +122,13 @@ PINNED = {
     "draft-2019 items list": ({"$schema": "https://json-schema.org/draft/2019-09/schema", "type": "array",
                                "items": [{"type": "integer"}], "additionalItems": False}, [[1], []], [[1, 2], ["a"]]),
     "finite values beside any keyword": ({"enum": [1, 2, 3], "not": {"const": 2}, "uniqueItems": True}, [1, 3], [2]),
+    # allOf merged into the node, then the overlapping patterns cut into disjoint regions (a name with a and b
+    # meets both schemas); llguidance then counts the properties (none is declared optional)
+    "allOf of overlapping patternProperties": (
+        {"type": "object", "allOf": [{"patternProperties": {"a": {"type": "integer", "minimum": 10}}},
+                                     {"patternProperties": {"b": {"type": "integer", "maximum": 20}}}],
+         "minProperties": 1},
+        [{"a": 25}, {"ab": 15}, {"b": 3}, {"c": "x"}, {"ba": 10, "c": []}], [{}, {"ab": 25}, {"ab": 5}, {"a": 5}, {"b": 30}]),
 }
 
 
@@ -149,10 +156,11 @@ def test_the_schema_as_sent_is_never_modified():
 
 @pytest.mark.parametrize("schema, keyword, path", [
     ({"properties": {"x": {"type": "string", "not": {"format": "email"}}}}, "not", "#/properties/x/not"),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#/uniqueItems"),
-    ({"type": "array", "contains": {"const": 1}}, "contains", "#/contains"),
+    ({"anyOf": [{"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, {"type": "array", "maxItems": 3}]}, "uniqueItems", "#/anyOf/0/uniqueItems"),
+    ({"anyOf": [{"type": "array", "contains": {"const": 1}}, {"type": "array", "maxItems": 40}]}, "contains",
+     "#/anyOf/0/contains"),
     ({"$defs": {"d": {"if": {"format": "email"}, "then": {"maxLength": 1}}}, "$ref": "#/$defs/d"}, "if", "#/$defs/d/if"),
-], ids=["not-format", "uniqueItems-unbounded", "contains-mixed-unbounded", "if-by-format"])
+], ids=["not-format", "uniqueItems-by-branch", "contains-mixed-unbounded", "if-by-format"])
 def test_what_no_rewrite_expresses_is_refused_where_it_was_written(toy_engines, schema, keyword, path):
     with pytest.raises(S.ConstraintError) as info:
         toy_engines["auto"].compile(S.json_schema(schema, strict=False))
@@ -171,11 +179,13 @@ def _chain(length: int) -> dict:
                                              "unevaluatedProperties": False}}},
      "branches", "unevaluatedProperties", "#/properties/p"),
     ({"type": "array", "items": {"enum": list(range(8))}, "uniqueItems": True}, "enumerated", "uniqueItems", "#"),
-    ({"type": "array", "maxItems": 40, "contains": {"const": 1}}, "positions", "contains", "#"),
     ({"not": {"enum": [f"s{i}" for i in range(300)]}}, "string_set", "not", "#"),
     (_chain(70), "specializations", "$ref", "#/$defs/r63"),
     ({"type": "string", "not": {"pattern": "^(?:[a-z]{1,12}-){60}$"}}, "automaton_states", "not", "#"),
-], ids=["branches", "enumerated", "positions", "string_set", "specializations", "automaton_states"])
+    ({"type": "object", "patternProperties": {c: {"type": "integer"} for c in "abcdefg"}}, "branches",
+     "patternProperties", "#"),
+], ids=["branches", "enumerated", "string_set", "specializations", "automaton_states",
+        "overlapping-patterns"])
 def test_each_size_cap_is_refused_by_name_and_pointer(toy_engines, schema, cap, keyword, path):
     with pytest.raises(algebra.CapReached) as info:
         algebra.lower(schema)

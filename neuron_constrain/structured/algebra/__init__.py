@@ -13,12 +13,14 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
     finite.collapse       a node with finitely many values -> the `enum` of those jsonschema accepts
     unevaluated.resolve   unevaluatedProperties/Items -> additionalProperties/items per case
     then, per node, children first:
-      conditionals        then/else alone, uniqueItems false, ... dropped; dependentRequired,
+      conditionals        allOf's plain branches merged into the node (patterns intersected,
+                          bounds tightened); then/else alone, uniqueItems false, ... dropped; dependentRequired,
                           dependentSchemas, if/then/else, oneOf -> anyOf; not -> its complement
                           (a pattern's: regular.py, through automata)
       finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
                           finite item domains -> the enum of the arrays; propertyNames of a closed
                           object -> the declared names it takes
+      pattern_names       overlapping patternProperties -> one disjoint pattern per set of them
 
 Every rewrite keeps the set of valid values exactly (``tests/structured/test_schema_algebra.py`` checks it
 with ``jsonschema`` against the schema as sent, and teacher-forces the engines); a rewrite whose
@@ -32,7 +34,8 @@ import copy
 import json
 
 from neuron_constrain.structured import schema_rewrite as rewrite
-from neuron_constrain.structured.algebra import conditionals, dialects, dynamic, finite, logic, regular, unevaluated
+from neuron_constrain.structured.algebra import (conditionals, dialects, dynamic, finite, logic, pattern_names, regular,
+                                                 unevaluated)
 from neuron_constrain.structured.algebra.caps import CAPS, CapReached, Over
 
 __all__ = ["CAPS", "CapReached", "REWRITES", "lower"]
@@ -51,10 +54,16 @@ REWRITES = {
     "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
              "objects, discriminating `const`s), else of each branch and the others' complements "
              "(a finite branch: its values the others refuse)",
-    "contains": "lengths or first-match positions, where the contained schema and the items partition the items",
+    "contains": "lengths or first-match positions, where the contained schema and the items partition the items; "
+                "else counted on the host by the item tracker (each item judged by `jsonschema`), where the schema "
+                "fixes which arrays need it",
     "minContains": "with `contains`",
     "maxContains": "with `contains`",
-    "uniqueItems": "over finite item domains: the `enum` of the arrays",
+    "uniqueItems": "over finite item domains: the `enum` of the arrays; else enforced on the host by the library's "
+                   "item tracker, where the schema fixes which arrays need it (not a branch the engine picks)",
+    "allOf": "its plain branches merged into the node (patterns intersected, bounds tightened, properties met "
+             "name by name)",
+    "patternProperties": "overlapping patterns: one disjoint pattern per set of them, its schemas met",
     "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped",
     "unevaluatedProperties": "`additionalProperties` per case, where the applicators fix what is evaluated",
     "unevaluatedItems": "`items` per case, where the applicators fix what is evaluated",
@@ -64,6 +73,7 @@ REWRITES = {
 
 # The rewrites made on each node, children first, with the keyword a cap error names.
 STEPS = (
+    ("allOf", conditionals.conjunction),
     ("then", conditionals.drop_vacuous),
     ("dependentSchemas", conditionals.dependencies),
     ("if", conditionals.conditional),
@@ -72,10 +82,11 @@ STEPS = (
     ("contains", finite.contains),
     ("uniqueItems", finite.unique_items),
     ("propertyNames", finite.closed_names),
+    ("patternProperties", pattern_names.disjoint_patterns),
 )
 
 
-_HANDLED = conditionals.ELIMINATED | {"oneOf", "propertyNames"}  # a schema without these needs only normalize
+_HANDLED = conditionals.ELIMINATED | {"oneOf", "propertyNames", "allOf", "patternProperties"}  # a schema without these needs only normalize
 
 
 def lower(schema):

@@ -15,7 +15,7 @@ from neuron_constrain.structured.constraints import ConstraintError
 CAPS = {
     "branches": 64,  # anyOf branches one rewrite makes (presence cases, if/oneOf/unevaluated cases, distribution)
     "enumerated": 512,  # values one rewrite enumerates (arrays of a finite item domain, a finite node's values)
-    "positions": 16,  # array positions a `contains` rewrite spells out
+    "positions": 16,  # array positions a `contains` rewrite spells out (past it: the host's item tracker counts)
     "string_set": 256,  # strings a complement of `enum`/`const` excludes by pattern
     "specializations": 64,  # copies of a subschema made to resolve `$dynamicRef` per dynamic scope
     "nfa_states": 8192,  # states of the automaton a pattern's complement or intersection starts from

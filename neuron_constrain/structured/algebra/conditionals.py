@@ -55,6 +55,27 @@ def attach(node: dict, conjunct):
     return node
 
 
+def conjunction(node: dict, path: str, judge):
+    """``allOf``'s plain branches (no combinator, ``$ref`` or keyword left unrewritten) written into the
+    node where ``logic.merge`` keeps the meaning: patterns intersected, bounds tightened, properties
+    met name by name. An engine then reads one node (xgrammar does not intersect branches that share
+    a keyword; llguidance gives up deciding whether several patterns leave any string)."""
+    branches = node.get("allOf")
+    plain = [isinstance(b, dict) and logic.simple(b) and not stuck(b) for b in branches] if isinstance(
+        branches, list) else []
+    if not any(plain):
+        return node  # as written (engines generate properties in the order the keywords give them)
+    del node["allOf"]
+    for branch, merge in zip(branches, plain):
+        if merge:
+            node = attach(node, branch)
+            if node is False:
+                return False
+        else:
+            node["allOf"] = [*node.get("allOf", []), branch]
+    return node
+
+
 def drop_vacuous(node: dict, path: str, judge):
     if "if" not in node:
         node.pop("then", None)

@@ -13,7 +13,8 @@ A node whose values are finite (``enum``, ``const``, an ``allOf`` branch with on
 ``null``/``boolean``) becomes the ``enum`` of the values ``jsonschema`` accepts for the whole node,
 whatever else it holds. Arrays over a finite item domain (``enum``/``const``/``boolean``/``null``/
 a small integer range per position) with ``uniqueItems`` are enumerated and judged alike. Both are
-capped by ``CAPS["enumerated"]``; the first-match ``contains`` form by ``CAPS["positions"]``.
+capped by ``CAPS["enumerated"]``; the first-match ``contains`` form is written up to ``CAPS["positions"]``
+positions (past it, ``contains`` is left to the host's item tracker).
 """
 from __future__ import annotations
 
@@ -227,9 +228,8 @@ def _by_length(prefix_sides: list, items_side, low: int, high):
 def _first_match(prefix: list, items, wanted, negated, node: dict):
     """At least one match in an array of at most ``maxItems`` items: anyOf over where the first one is."""
     top = node.get("maxItems") if isinstance(node.get("maxItems"), int) else (len(prefix) if items is False else None)
-    if top is None:
-        return None
-    over("positions", top)
+    if top is None or top > CAPS["positions"]:
+        return None  # left to the host's item tracker (item_tracker.py), or refused by the policy
     cases = []
     for first in range(top):
         positions = [meet(_at(prefix, items, i), negated) for i in range(first)]

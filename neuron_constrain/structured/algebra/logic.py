@@ -127,7 +127,7 @@ def meet(a, b) -> object:
     if is_true(b):
         return a
     for one, other in ((a, b), (b, a)):
-        if set(one) == {"anyOf"} and "anyOf" not in other and _simple(other):
+        if set(one) == {"anyOf"} and "anyOf" not in other and simple(other):
             over("branches", len(one["anyOf"]))
             return join(meet(branch, other) for branch in one["anyOf"])
     merged = merge(a, b)
@@ -153,7 +153,7 @@ def first_seen(schema) -> dict:
     return ranks
 
 
-def _simple(node: dict) -> bool:
+def simple(node: dict) -> bool:
     return not {"anyOf", "oneOf", "allOf", "$ref", "not", "if"} & set(node)
 
 

@@ -64,12 +64,13 @@ def complement_pattern(source: str):
 
 
 @functools.lru_cache(maxsize=256)
-def intersect_patterns(sources: tuple):
+def intersect_patterns(sources: tuple, wide: bool = False):
     """A pattern matching exactly the strings every one of ``sources`` matches (each read narrow, as the
-    engines read it); ``False`` when no string does; None when one has a refused feature."""
+    engines read it, or ``wide``: in either dialect); ``False`` when no string does; None when one has a
+    refused feature."""
     trees = []
     for source in sources:
-        pattern = _parsed(source, wide=False)
+        pattern = _parsed(source, wide=wide)
         if pattern is None:
             return None
         tree = patterns.full_match(pattern, search=True)

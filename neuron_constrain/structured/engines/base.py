@@ -41,7 +41,7 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.structured import keywords, limits as limits_, satisfiable
+from neuron_constrain.structured import item_tracker, keywords, limits as limits_, satisfiable, unique_items
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 
@@ -68,6 +68,7 @@ class CompiledGrammar:
     grammar: Any  # xgrammar CompiledGrammar | llguidance LLMatcher (a template, deep-copied per request)
     unenforced: tuple[keywords.Unenforced, ...] = ()
     narrowed: tuple[str, ...] = ()
+    unique: unique_items.Plan | None = None  # the uniqueItems the host's tracker enforces (unique_items.py)
 
 
 def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> int:
@@ -137,8 +138,24 @@ class GrammarEngine(abc.ABC):
             raise limits_.LimitError("depth", "too deep for Python's stack", self.limits.depth) from None
         if schema is False:
             raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
-        unenforced = keywords.check(schema, self.enforces, constraint.unenforced)
+        unenforced = keywords.check(schema, self.enforces, constraint.unenforced, unique_items.Plan.of(schema))
         return dataclasses.replace(constraint, spec=schema), unenforced, tuple(narrowed)
+
+    @staticmethod
+    def tracked(prepared: Constraint) -> tuple[Constraint, unique_items.Plan | None]:
+        """What the engine compiles of a prepared constraint (the ``uniqueItems`` the host tracks taken
+        out), and the tracker's plan (None: nothing to track)."""
+        plan = unique_items.Plan.of(prepared.spec) if prepared.kind == "json_schema" else None
+        if plan is None or plan.untracked is not None or not plan.reached:
+            return prepared, None
+        return dataclasses.replace(prepared, spec=plan.engine_schema()), plan
+
+    def tracking(self, matcher, compiled: CompiledGrammar):
+        """``matcher``, behind the ``uniqueItems`` tracker where ``compiled`` has one."""
+        if compiled.unique is None:
+            return matcher
+        return item_tracker.UniqueItemsMatcher(matcher, compiled.unique, item_tracker.tracker_vocabulary(self.info),
+                                               self.width)
 
     def wait_ready(self) -> None:
         """Until the engine can start a compilation (its compile workers started); at once by default."""
@@ -154,9 +171,10 @@ class GrammarEngine(abc.ABC):
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
                    rows: Sequence[int]) -> list[tuple[int, BaseException]]:
-        """Fill ``rows[i]`` from ``matchers[i]``; returns the failures as ``(i, error)``."""
+        """Fill ``rows[i]`` from ``matchers[i]``; returns the failures as ``(i, error)``. A matcher that
+        ``fills_itself`` (the tracker's, a reasoning request's) fills its own row."""
         check_rows(buffer, rows, self.width)
-        return self._fill_checked(matchers, buffer, rows)
+        return own_rows_apart(self._fill_checked, matchers, buffer, rows)
 
     def _fill_checked(self, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
                      rows: Sequence[int]) -> list[tuple[int, BaseException]]:
@@ -195,6 +213,26 @@ def encode_continuation(encode: Callable[[str], list[int]], text: str | bytes) -
     if ids[: len(anchor)] == anchor:
         return ids[len(anchor):]
     return list(encode(text))  # the anchor merged with the text: no better split is known
+
+
+def fills_itself(matcher) -> bool:
+    """A matcher no engine's batch call may take: it wraps one (``fills_itself``), and fills and accepts
+    through its own methods."""
+    return getattr(type(matcher), "fills_itself", False)
+
+
+def own_rows_apart(fill, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
+                   rows: Sequence[int]) -> list[tuple[int, BaseException]]:
+    """``fill(matchers, buffer, rows)`` for the engine's own matchers, :func:`fill_each` for those that fill
+    themselves; the failures by index into ``matchers``."""
+    own = [i for i, m in enumerate(matchers) if fills_itself(m)]
+    if not own:
+        return fill(matchers, buffer, rows)
+    rest = [i for i in range(len(matchers)) if not fills_itself(matchers[i])]
+    failures = [(own[k], e) for k, e in fill_each([matchers[i] for i in own], buffer, [rows[i] for i in own])]
+    if rest:
+        failures += [(rest[k], e) for k, e in fill([matchers[i] for i in rest], buffer, [rows[i] for i in rest])]
+    return sorted(failures, key=lambda failure: failure[0])
 
 
 def fill_each(matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,

@@ -30,6 +30,15 @@ from neuron_constrain.structured.engines.llguidance_tokenizer import import_llgu
 
 
 # --------------------------------------------------------------------------- what llguidance enforces
+def _all_required(node, root) -> str | None:
+    """llguidance 1.9 counts properties only where none is optional (it refuses the rest at compile)."""
+    properties, required = node.get("properties"), node.get("required", [])
+    optional = [name for name in properties or () if name not in required] if isinstance(properties, dict) else []
+    return f"the property {optional[0]!r} is optional: llguidance counts properties only when all are required" if (
+        optional) else None
+
+
+
 # Its JSON compiler implements these (its json_schema.md) and fails on every other keyword
 # ("Unimplemented keys"); untyped assertions apply to their own type, siblings of anyOf/$ref
 # are intersected. Measured by tests/structured/test_soundness.py on llguidance 1.9.1.
@@ -50,6 +59,11 @@ ENFORCES = keywords.register(keywords.Allowlist(
         keywords.Enforced("items", "a schema", keywords.schema_items),
         *(keywords.Enforced(k) for k in ("prefixItems", "minItems", "maxItems", "properties",
                                          "additionalProperties", "required", "patternProperties")),
+        keywords.Enforced("minProperties", "every name in `properties` required; above 1 only with "
+                          "`additionalProperties: false` and no `patternProperties`",
+                          keywords.both(keywords.count("minProperties"), _all_required, keywords.distinct_keys)),
+        keywords.Enforced("maxProperties", "every name in `properties` required",
+                          keywords.both(keywords.count("maxProperties"), _all_required)),
     ),
     _FORMATS,
     evidence="llguidance's json_schema.md; tests/structured/test_soundness.py (the differential test), llguidance 1.9.1",
@@ -113,6 +127,7 @@ class LLGuidanceEngine(GrammarEngine):
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         original = constraint
         constraint, unenforced, _ = self.keyword_policy(constraint)
+        constraint, unique = self.tracked(constraint)
         options: dict = {}
         template, message = self._template(constraint, options)
         while message and constraint.kind == "json_schema":
@@ -132,7 +147,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
         self._listen(constraint, template)
-        return CompiledGrammar(self.name, original, template, unenforced)
+        return CompiledGrammar(self.name, original, template, unenforced, unique=unique)
 
     def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,
@@ -151,7 +166,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "remove what it ignores")
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)
+        return self.tracking(LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width), compiled)
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
         # batch_fill ran check_rows: our matchers write without checking again (``LLGuidanceMatcher._write``)
