@@ -44,7 +44,8 @@ PROBES = {
     # the host's tracker takes uniqueItems where the schema fixes it (tests/structured/test_unique_items.py);
     # not where it depends on the branch the engine follows
     "uniqueItems": ({"anyOf": [{"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, {"type": "array", "maxItems": 3}]}, [1, 1, 1, 1], [1, 2, 3, 4]),
-    "contains": ({"type": "array", "contains": {"const": 5}}, [1, 2], [5]),
+    "contains": ({"anyOf": [{"type": "array", "contains": {"const": 5}},
+                            {"type": "array", "items": {"type": "string"}, "maxItems": 40}]}, [1, 2], [5]),
     "unevaluatedProperties": ({"type": "object", "unevaluatedProperties": False,
                                "if": {"properties": {"a": {"format": "email"}}}, "then": {"properties": {"b": {}}}},
                               {"c": 1}, {"b": 1}),
@@ -239,7 +240,7 @@ def maskbench(tekken, engines):
 
 # Measured on the vendored sample (70 schemas; Tekken; llguidance 1.9.1, xgrammar 0.2.8, default policy):
 # schemas that compile. A drop is a regression; a rise means the table is stale: update it.
-COMPILED = {"llguidance": 67, "xgrammar": 63}  # 59 and 55 before the schema algebra
+COMPILED = {"llguidance": 68, "xgrammar": 64}  # 59 and 55 before the schema algebra
 
 
 @pytest.mark.parametrize("engine", E.ENGINES)
