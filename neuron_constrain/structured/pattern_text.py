@@ -34,6 +34,8 @@ def _members(ranges, write) -> str:
 
 
 def _regex_set(ranges) -> str:
+    if tuple(ranges) == ((0, 0),):  # U+0000 alone: xgrammar's from_regex writes it as "" (nothing)
+        return "[^\\u{1}-\\u{10ffff}]"
     if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
         return _escape(ranges[0][0])
     if len(ranges) == 1 and ranges[0][0] == 0x5E:  # [^-x]: "^" alone, then the rest

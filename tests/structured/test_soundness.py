@@ -116,6 +116,7 @@ REGEX_CASES = PATTERNS_DRAWN.flatmap(lambda p: pattern_strings(p).map(lambda str
 @example(case=("a^b|c", ["ab", "c"]))  # xgrammar ignored the anchor in the middle
 @example(case=("[\\^a]", ["b", "^", "a"]))  # xgrammar read a leading \^ in a class as negation
 @example(case=("^a?$^b", ["", "b", "ab"]))
+@example(case=("\\w\\0+|\"", ["a", "a\x00", '"']))  # xgrammar's from_regex wrote a lone U+0000 as "" (nothing)
 @given(case=REGEX_CASES)
 def test_regex_constraints_never_accept_what_python_re_refuses(toy_engines, case):
     pattern, strings = case
