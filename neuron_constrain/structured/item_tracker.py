@@ -1,18 +1,21 @@
-"""The ``uniqueItems`` tracker: an engine's matcher behind a reader of the output that refuses every token
-completing an item equal to an earlier item of its array (the plan of which arrays: ``unique_items.py``).
+"""The item tracker: an engine's matcher behind a reader of the output that refuses every token completing
+an item its array may not take (which arrays, and what they must meet: ``unique_items.py``).
 
     matcher = UniqueItemsMatcher(engine_matcher, plan, tracker_vocabulary(info), width)
 
 The tracker reads the output's bytes as JSON (the grammar keeps them valid), notes where each item
 of a tracked array starts, and when one ends (a string's closing quote, a container's closing
-bracket, a literal's last letter, the byte after a number) compares its value with the array's
-earlier items, as JSON Schema does (``1`` and ``1.0`` equal, ``true`` and ``1`` not, key order
-ignored). ``accept_token`` refuses such a token; a mask row keeps the engine's bits and clears them,
-trying only tokens that can end an item (a string item: by a prefix index of what precedes each
-token's first quote). One step ahead, a token after which the item equals an earlier one and the
-grammar allows nothing but its end is cleared too (a string at its ``maxLength``, a number no digit
-may follow, a literal's forced letters). A dead end deeper than that (every continuation of a
-partly written item already taken) fails the request; it never writes a duplicate.
+bracket, a literal's last letter, the byte after a number) checks it: ``uniqueItems`` compares its
+value with the array's earlier items, as JSON Schema does (``1`` and ``1.0`` equal, ``true`` and
+``1`` not, key order ignored); ``contains`` judges it with ``jsonschema`` and counts it against
+``maxContains``, and a closing bracket is refused until ``minContains`` items matched.
+``accept_token`` refuses such a token; a mask row keeps the engine's bits and clears them, trying
+only tokens that can end an item (a string item: by a prefix index of what precedes each token's
+first quote). One step ahead, a token after which the item equals an earlier one and the grammar
+allows nothing but its end is cleared too (a string at its ``maxLength``, a number no digit may
+follow, a literal's forced letters), and so is one after which a full array could only close with
+its ``contains`` unmet. A dead end deeper than that fails the request; it never writes an invalid
+array.
 """
 from __future__ import annotations
 
@@ -88,16 +91,20 @@ class Scan:
         return any(frame[2] and (frame[3] or frame[8]) for frame in self.stack)
 
     def fed(self, data: bytes) -> "Scan | None":
-        """The state after ``data``; None if it completes an item equal to an earlier one of its array."""
+        """The state after ``data``; None if it completes an item its array may not take (a duplicate, one
+        past ``maxContains``, a bracket before ``minContains``) or is not JSON that could continue here."""
         if not data:
             return self
         new = self._copy()
         text = new.text
         del text[new.length:]
         text += data
-        for pos in range(new.length, new.length + len(data)):
-            if not new._byte(text[pos], pos):
-                return None
+        try:
+            for pos in range(new.length, new.length + len(data)):
+                if not new._byte(text[pos], pos):
+                    return None
+        except (IndexError, ValueError):  # a bracket closing nothing, a key JSON cannot read: no grammar takes it
+            return None
         new.length += len(data)
         return new
 
@@ -187,8 +194,7 @@ class Scan:
             seen = seen | {value} if value is not None else seen
         counts = frame[8]
         if counts:
-            item = json.loads(text)
-            counts = tuple(count + self.plan.judge(i, item) for i, count in zip(_contained(frame), counts))
+            counts = tuple(count + self.plan.judge(i, text) for i, count in zip(_contained(frame), counts))
             if any(self.plan.contains(i)[2] is not None and count > self.plan.contains(i)[2]
                    for i, count in zip(_contained(frame), counts)):
                 return False
@@ -215,10 +221,9 @@ class Scan:
         else:
             return None
         try:
-            item = json.loads(text)
-        except ValueError:
+            counts = [count + self.plan.judge(i, text) for i, count in zip(_contained(frame), frame[8])]
+        except ValueError:  # not a whole value yet
             return None
-        counts = [count + self.plan.judge(i, item) for i, count in zip(_contained(frame), frame[8])]
         return kind if any(count < self.plan.contains(i)[1] for i, count in zip(_contained(frame), counts)) else None
 
     def pending(self):

@@ -1,23 +1,27 @@
-"""Which ``uniqueItems`` the host enforces: the places of a schema where an array must have unique items.
+"""Which array keywords the host enforces (``uniqueItems``, ``contains``/``minContains``/``maxContains``):
+the places of a schema where an array must meet them.
 
-    plan = Plan.of(schema)                    # None: no uniqueItems here
+    plan = Plan.of(schema)                    # None: none of them here
     plan.untracked                            # None, or why the tracker cannot take them (refused then)
     plan.engine_schema()                      # what the engine compiles: the schema without them
 
-No grammar engine enforces ``uniqueItems`` (equality of items is not context-free); the algebra
-enumerates finite item domains, and everything else is the tracker's (``item_tracker.py``). The
-tracker follows each value's path through the schema: a *shape* is what a value at one place must
-satisfy, as a formula over schema nodes (``$ref`` and ``allOf`` all apply, ``anyOf``/``oneOf``
-branches are alternatives; a name's ``properties`` entry or else ``additionalProperties``, beside
-every ``patternProperties`` schema; a position's ``prefixItems`` entry or ``items``). An array is
-tracked where its shape says it must have unique items; a schema where that depends on a branch the
-engine chooses (an ``anyOf`` whose branches disagree at one place, a ``then`` without an ``else``, an
-open object whose patterns disagree) is refused, since the tracker cannot see which branch the output
-follows. Shapes are found once per schema, breadth first, at most :data:`SHAPES_CAP`.
+No grammar engine enforces ``uniqueItems`` (equality of items is not context-free) or a ``contains``
+over an unbounded array; the algebra enumerates finite item domains and spells bounded ``contains``
+as positions, and the rest is the tracker's (``item_tracker.py``). The tracker follows each value's
+path through the schema: a *shape* is what a value at one place must satisfy, as a formula over
+schema nodes (``$ref`` and ``allOf`` all apply, ``anyOf``/``oneOf`` branches are alternatives; a
+name's ``properties`` entry or else ``additionalProperties``, beside every ``patternProperties``
+schema; a position's ``prefixItems`` entry or ``items``). An array is tracked where its shape says
+what it must meet; a schema where that depends on a branch the engine chooses (an ``anyOf`` whose
+branches disagree at one place, a ``then`` without an ``else``, an open object whose patterns
+disagree) is refused, since the tracker cannot see which branch the output follows. Only nodes some
+place reaches are taken (a ``uniqueItems`` under ``not`` stays, and is refused). Shapes are found once
+per schema, breadth first, at most :data:`SHAPES_CAP`.
 """
 from __future__ import annotations
 
 import collections
+import json
 
 from neuron_constrain.structured import keywords, schema_rewrite as rewrite
 
@@ -47,7 +51,7 @@ class Plan:
         self._member: dict = {}
         self._item: dict = {}
         self._status: dict = {}
-        self._referee = None
+        self._referee, self._judged = None, {}
         self.reached: set[int] = set()  # id() of the nodes some place's shape holds: those the tracker takes
         self.root = self.shape(schema)
         self.untracked = self._check()
@@ -176,11 +180,17 @@ class Plan:
         node = self._nodes[index]
         return node["contains"], node.get("minContains", 1), node.get("maxContains")
 
-    def judge(self, index: int, item) -> bool:
-        """Whether ``item`` is one node ``index``'s ``contains`` takes (``jsonschema``, the referee)."""
-        if self._referee is None:
-            self._referee = keywords.validator(self.schema)
-        return self._referee.evolve(schema=self._nodes[index]["contains"]).is_valid(item)
+    def judge(self, index: int, text: bytes) -> bool:
+        """Whether the item written ``text`` is one node ``index``'s ``contains`` takes (``jsonschema``, the
+        referee; remembered per text, as a mask tries the same items token after token)."""
+        key = (index, text)
+        if key not in self._judged:
+            if self._referee is None:
+                self._referee = keywords.validator(self.schema)
+            if len(self._judged) > 4096:
+                self._judged.clear()
+            self._judged[key] = self._referee.evolve(schema=self._nodes[index]["contains"]).is_valid(json.loads(text))
+        return self._judged[key]
 
     def max_items(self, shape) -> int | None:
         """The least ``maxItems`` a node of ``shape`` sets (where the array may be full; None: none)."""

@@ -220,3 +220,12 @@ def test_uniqueness_a_branch_decides_is_refused_by_name(toy_engines, schema, poi
     with pytest.raises(S.ConstraintError) as info:
         toy_engines["auto"].compile(S.json_schema(schema, strict=False))
     assert f"`uniqueItems` at {pointer}" in str(info.value) and "tracker" in str(info.value), str(info.value)
+
+
+def test_a_token_no_json_could_take_is_refused_not_raised(toy_engines):
+    engine = toy_engines["auto"]
+    compiled = engine.compile(S.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                                            whitespace="none"))
+    matcher = _after(engine, compiled, "[1]")
+    assert not matcher.accept_token(engine.tokenizer.encode("]")[0])  # closes nothing: refused, the state kept
+    assert matcher.accept_token(engine.stop_token_ids[0]) and matcher.is_terminated()
