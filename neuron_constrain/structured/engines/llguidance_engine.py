@@ -38,7 +38,6 @@ def _all_required(node, root) -> str | None:
         optional) else None
 
 
-
 # Its JSON compiler implements these (its json_schema.md) and fails on every other keyword
 # ("Unimplemented keys"); untyped assertions apply to their own type, siblings of anyOf/$ref
 # are intersected. Measured by tests/structured/test_soundness.py on llguidance 1.9.1.
