@@ -72,6 +72,15 @@ def test_combinators_never_accept_an_invalid_instance(toy_engines, case):
     _judge(toy_engines, case)
 
 
+def test_strict_mode_never_makes_overlapping_one_of_branches_disjoint(toy_engines):
+    """Strict mode closes the second branch, so llguidance took the branches as disjoint and wrote the enum's
+    object; JSON Schema (the schema as sent) finds it valid under both: oneOf refuses it."""
+    schema = {"type": "object", "oneOf": [{"enum": [{"a": None, "b": 1}]}, {"type": "object", "required": ["b"]}]}
+    for name, engine in toy_engines.items():
+        verdict = differential(engine, schema, [{"a": None, "b": 1}, {"b": 2}], strict=True)
+        assert not verdict.unsound, (name, verdict.unsound)
+
+
 @SETTINGS
 @example(case=({"$id": "https://example.com/root.json", "$defs": {"d": {"$id": "d.json", "type": "integer"}}, "$ref": "d.json"}, ["x", 1]))
 @example(case=({"$defs": {"d": {"$anchor": "here", "type": "integer"}}, "$ref": "#here"}, ["x", 1]))

@@ -16,6 +16,7 @@ stop bits, so mask and accept agree (a dead end allows nothing).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -129,6 +130,10 @@ class LLGuidanceEngine(GrammarEngine):
         constraint, unique = self.tracked(constraint)
         options: dict = {}
         template, message = self._template(constraint, options)
+        if not message and constraint.strict and constraint.kind == "json_schema" and _one_of(constraint.spec):
+            # strict mode closes objects, which can make overlapping oneOf branches look disjoint to llguidance
+            # ({"a": 1, "b": 2} in an enum beside {"required": ["b"]}); JSON Schema judges the schema as sent
+            message = self._template(dataclasses.replace(constraint, strict=False), options)[1]
         while message and constraint.kind == "json_schema":
             # llguidance refuses what it does not implement ("Unimplemented keys", non-disjoint oneOf),
             # one kind per compile: refuse it (the policy), or list it and compile without it.
@@ -197,6 +202,10 @@ class LLGuidanceEngine(GrammarEngine):
         if matcher.is_terminated():
             return []
         return list(matcher.inner.compute_ff_tokens())  # llguidance leaves out a last token that may merge
+
+
+def _one_of(schema) -> bool:
+    return any("oneOf" in node for _, node in keywords.rewrite.walk(schema))
 
 
 def _pattern_regex(source: str) -> str | None:
