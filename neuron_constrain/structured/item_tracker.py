@@ -1,7 +1,7 @@
 """The item tracker: an engine's matcher behind a reader of the output that refuses every token completing
-an item its array may not take (which arrays, and what they must meet: ``unique_items.py``).
+an item its array may not take (which arrays, and what they must meet: ``item_plan.py``).
 
-    matcher = UniqueItemsMatcher(engine_matcher, plan, tracker_vocabulary(info), width)
+    matcher = ItemTrackingMatcher(engine_matcher, plan, tracker_vocabulary(info), width)
 
 The tracker reads the output's bytes as JSON (the grammar keeps them valid), notes where each item
 of a tracked array starts, and when one ends (a string's closing quote, a container's closing
@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from neuron_constrain.structured.unique_items import OTHER, Plan
+from neuron_constrain.structured.item_plan import OTHER, Plan
 
 _WHITESPACE = b" \t\n\r"
 _LITERALS = {ord("t"): 4, ord("f"): 5, ord("n"): 4}
@@ -322,7 +322,7 @@ def _allowed(words: np.ndarray, size: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- the matcher
-class UniqueItemsMatcher:
+class ItemTrackingMatcher:
     """An engine's matcher (``grammar``) with the tracker in front: the runtime's matcher protocol."""
 
     fills_itself = True  # the runtime fills and accepts it row by row, never through an engine's batch call

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from neuron_constrain.structured.item_tracker import UniqueItemsMatcher
+from neuron_constrain.structured.item_tracker import ItemTrackingMatcher
 
 MODES = ("exact", "canonical")
 
@@ -68,7 +68,7 @@ def canonical_run(engine, matcher, limit: int, scratch: torch.Tensor) -> list[in
         return []
     run: list[int] = []
     try:
-        grammar = matcher.grammar if type(matcher) is UniqueItemsMatcher else matcher  # the tracker refuses below
+        grammar = matcher.grammar if type(matcher) is ItemTrackingMatcher else matcher  # the tracker refuses below
         for token in engine.forced_tokens(grammar)[:limit]:
             if not matcher.accept_token(token):
                 break

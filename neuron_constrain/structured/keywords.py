@@ -261,7 +261,7 @@ def _formats_as_patterns(schema: dict, format_patterns, narrowed: list | None) -
 
 def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
     """Every keyword of ``schema`` (already :func:`prepare`-d) that ``engine`` would not enforce, in schema order;
-    ``tracker``: the schema's ``unique_items.Plan``, which enforces them on the host unless it says why not."""
+    ``tracker``: the schema's ``item_plan.Plan``, which enforces them on the host unless it says why not."""
     lists = allowlist(engine)
     others = [other for other in allowlists().values() if other.engine != lists.engine]
     found, judged = [], _judged(schema, tracker)
@@ -274,7 +274,7 @@ def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
             why = lists.why_not(keyword, node, schema)
             if why is not None and tracker is not None and keyword in tracker.KEYWORDS:
                 if tracker.takes(node):
-                    continue  # the host's tracker enforces it (unique_items.py)
+                    continue  # the host's tracker enforces it (item_plan.py)
                 if tracker.untracked is not None:
                     why = f"{why}; the host's tracker neither: {tracker.untracked}"
             if why is None:

@@ -41,7 +41,7 @@ PROBES = {
     "if": ({"type": "string", "if": {"format": "email"}, "then": {"maxLength": 5}}, "a@b.co", "ab"),
     "dependentSchemas": ({"type": "object", "dependentSchemas": {"a": {"properties": {"b": {
         "type": "string", "not": {"format": "email"}}}}}}, {"a": 1, "b": "x@y.z"}, {"a": 1, "b": "y"}),
-    # the host's tracker takes uniqueItems where the schema fixes it (tests/structured/test_unique_items.py);
+    # the host's tracker takes uniqueItems where the schema fixes it (tests/structured/test_item_tracker.py);
     # not where it depends on the branch the engine follows
     "uniqueItems": ({"anyOf": [{"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, {"type": "array", "maxItems": 3}]}, [1, 1, 1, 1], [1, 2, 3, 4]),
     "contains": ({"anyOf": [{"type": "array", "contains": {"const": 5}},

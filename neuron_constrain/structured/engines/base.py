@@ -41,7 +41,7 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.structured import item_tracker, keywords, limits as limits_, satisfiable, unique_items
+from neuron_constrain.structured import item_plan, item_tracker, keywords, limits as limits_, satisfiable
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 
@@ -68,7 +68,7 @@ class CompiledGrammar:
     grammar: Any  # xgrammar CompiledGrammar | llguidance LLMatcher (a template, deep-copied per request)
     unenforced: tuple[keywords.Unenforced, ...] = ()
     narrowed: tuple[str, ...] = ()
-    unique: unique_items.Plan | None = None  # the uniqueItems the host's tracker enforces (unique_items.py)
+    item_checks: item_plan.Plan | None = None  # what the host's item tracker enforces (item_plan.py)
 
 
 def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> int:
@@ -138,24 +138,24 @@ class GrammarEngine(abc.ABC):
             raise limits_.LimitError("depth", "too deep for Python's stack", self.limits.depth) from None
         if schema is False:
             raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
-        unenforced = keywords.check(schema, self.enforces, constraint.unenforced, unique_items.Plan.of(schema))
+        unenforced = keywords.check(schema, self.enforces, constraint.unenforced, item_plan.Plan.of(schema))
         return dataclasses.replace(constraint, spec=schema), unenforced, tuple(narrowed)
 
     @staticmethod
-    def tracked(prepared: Constraint) -> tuple[Constraint, unique_items.Plan | None]:
-        """What the engine compiles of a prepared constraint (the ``uniqueItems`` the host tracks taken
+    def tracked(prepared: Constraint) -> tuple[Constraint, item_plan.Plan | None]:
+        """What the engine compiles of a prepared constraint (the array keywords the host tracks taken
         out), and the tracker's plan (None: nothing to track)."""
-        plan = unique_items.Plan.of(prepared.spec) if prepared.kind == "json_schema" else None
+        plan = item_plan.Plan.of(prepared.spec) if prepared.kind == "json_schema" else None
         if plan is None or plan.untracked is not None or not plan.reached:
             return prepared, None
         return dataclasses.replace(prepared, spec=plan.engine_schema()), plan
 
     def tracking(self, matcher, compiled: CompiledGrammar):
-        """``matcher``, behind the ``uniqueItems`` tracker where ``compiled`` has one."""
-        if compiled.unique is None:
+        """``matcher``, behind the item tracker where ``compiled`` has one."""
+        if compiled.item_checks is None:
             return matcher
-        return item_tracker.UniqueItemsMatcher(matcher, compiled.unique, item_tracker.tracker_vocabulary(self.info),
-                                               self.width)
+        vocabulary = item_tracker.tracker_vocabulary(self.info)
+        return item_tracker.ItemTrackingMatcher(matcher, compiled.item_checks, vocabulary, self.width)
 
     def wait_ready(self) -> None:
         """Until the engine can start a compilation (its compile workers started); at once by default."""

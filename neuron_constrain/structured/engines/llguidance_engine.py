@@ -127,7 +127,7 @@ class LLGuidanceEngine(GrammarEngine):
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         original = constraint
         constraint, unenforced, _ = self.keyword_policy(constraint)
-        constraint, unique = self.tracked(constraint)
+        constraint, item_checks = self.tracked(constraint)
         options: dict = {}
         template, message = self._template(constraint, options)
         if not message and constraint.strict and constraint.kind == "json_schema" and _one_of(constraint.spec):
@@ -151,7 +151,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
         self._listen(constraint, template)
-        return CompiledGrammar(self.name, original, template, unenforced, unique=unique)
+        return CompiledGrammar(self.name, original, template, unenforced, item_checks=item_checks)
 
     def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,

@@ -266,12 +266,12 @@ class XGrammarEngine(GrammarEngine):
         """``policy``: what :meth:`keyword_policy` returned for ``constraint`` (``AutoEngine`` routes by it
         first), not computed again."""
         prepared, unenforced, narrowed = policy or self.keyword_policy(constraint)
-        prepared, unique = self.tracked(prepared)
+        prepared, item_checks = self.tracked(prepared)
         if self.workers is not None:
             grammar = self.workers.compile(prepared, self.limits.compile_seconds)
         else:
             grammar = compile_grammar(self.compiler, prepared)
-        return CompiledGrammar(self.name, constraint, grammar, unenforced, narrowed, unique)
+        return CompiledGrammar(self.name, constraint, grammar, unenforced, narrowed, item_checks)
 
     def parse(self, constraint) -> None:
         parse_constraint(constraint)
