@@ -86,7 +86,8 @@ STEPS = (
 )
 
 
-_HANDLED = conditionals.ELIMINATED | {"oneOf", "propertyNames", "allOf", "patternProperties"}  # a schema without these needs only normalize
+# a schema without these needs only normalize
+_HANDLED = conditionals.ELIMINATED | {"oneOf", "propertyNames", "allOf", "patternProperties"}
 
 
 def lower(schema):

@@ -7,6 +7,7 @@
     {oneOf: [A, B]}  (may overlap)         -> anyOf [A ∧ not-B, B ∧ not-A]      (where both complements exist;
                                               a finite A: the values of A that B refuses, judged)
     {not: S}                               -> the complement of S
+    {allOf: [A, B]}  (plain branches)      -> A and B merged into the node (logic.merge)
     then/else without if, if alone, min/maxContains without contains, minContains 0 alone,
     uniqueItems: false, empty dependencies  -> dropped (they assert nothing)
 
