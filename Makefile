@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # module fixtures built once). CI runs two lanes at once and passes XDIST= (one process per lane).
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm docs clean
+.PHONY: demo test test-wheel test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm docs clean
 
 .venv/.installed: setup.cfg pyproject.toml
 	test -d .venv || $(PYTHON) -m venv .venv
@@ -54,6 +54,22 @@ XDIST ?= -n 2 --dist loadfile
 	echo '*' > .venv-docs/.gitignore
 	.venv-docs/bin/pip install -q $(DOCS_PINS)
 	touch $@
+
+# The package as a user installs it: the wheel `pip install .` builds, alone in a fresh venv (build/wheel-venv:
+# the latest lane's CPU torch, then the wheel and the dependencies it declares, nothing else), and the README's
+# snippets run there from outside the checkout (tests/wheel_smoke.py). test-wheel rebuilds the wheel each run.
+WHEEL_VENV := build/wheel-venv
+build/wheel-venv/.installed: setup.cfg setup.py pyproject.toml
+	rm -rf $(WHEEL_VENV) build/wheel && $(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/pip wheel -q --no-deps -w build/wheel .
+	$(WHEEL_VENV)/bin/pip install -q $(LATEST_TORCH) build/wheel/neuron_constrain-*.whl
+	touch $@
+
+test-wheel: build/wheel-venv/.installed
+	rm -rf build/wheel && $(WHEEL_VENV)/bin/pip wheel -q --no-deps -w build/wheel .
+	$(WHEEL_VENV)/bin/pip install -q --no-deps --force-reinstall build/wheel/neuron_constrain-*.whl
+	cd build && ../$(WHEEL_VENV)/bin/python ../tests/wheel_smoke.py ../README.md
 
 # The documentation site into build/site; --strict: a broken link, a missing page or an unresolved
 # API reference fails the build.

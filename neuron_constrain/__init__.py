@@ -8,7 +8,7 @@ from neuron_constrain.core.transform import Transformed, transform
 # nc.default_backend, registered with dynamo as backend="neuron_constrain"
 from neuron_constrain.decoding.dynamo_backend import Backend, TorchCompiled, backend, compile, default_backend
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # setup.cfg reads it; CHANGELOG.md says what each version changed
 
 __all__ = [
     "Backend",

@@ -29,6 +29,7 @@ import sys
 import time
 import warnings
 
+from neuron_constrain import __version__
 from neuron_constrain.core.errors import Error, InputError, TransformError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -381,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     rewrite = sub.add_parser("rewrite", help="run the passes on a saved program and save the result")

@@ -205,7 +205,7 @@ def allowlist(engine) -> Allowlist:
 # --------------------------------------------------------------------------- the policy
 def validator(root):
     """``jsonschema``'s validator of ``root`` under its declared draft, formats asserted (the referee)."""
-    import jsonschema  # the `test` extra
+    import jsonschema
 
     cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
     return cls(root, format_checker=cls.FORMAT_CHECKER)
@@ -455,7 +455,7 @@ def refuse(found: list[Unenforced]) -> None:
 def post_validate(schema: dict, text: str) -> str | None:
     """``None`` if ``text`` is JSON valid against ``schema`` under its declared draft (``$schema``;
     2020-12 when absent) with formats asserted; else the first violation, with its path."""
-    import jsonschema  # the `test` extra
+    import jsonschema
 
     try:
         value = json.loads(text)

@@ -32,7 +32,7 @@ def validate_output(constraint: Constraint, text: str) -> str | None:
             return f"not JSON: {error}"
         if constraint.kind == "json":
             return None if isinstance(value, (dict, list)) else f"JSON {type(value).__name__}, not an object or array"
-        import jsonschema  # the `test` extra
+        import jsonschema
 
         # The draft the schema declares ($schema): draft-04's boolean exclusiveMinimum, draft-07's
         # tuple `items` and draft-04's `dependencies` mean other things in 2020-12.

@@ -19,7 +19,7 @@ def import_llguidance():
         import llguidance.torch  # noqa: F401  (registers the torch helpers)
     except ImportError as error:
         raise ImportError(
-            "engine='llguidance' needs the llguidance package: pip install 'neuron-constrain[llguidance]'"
+            "engine='llguidance' needs the llguidance package: pip install llguidance==1.9.1 (a dependency of neuron-constrain)"
         ) from error
     return llguidance
 
