@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     import torch
 
     from neuron_constrain import models
-    from neuron_constrain.structured import StructuredRuntime, generate, json_schema, validate_output
+    from neuron_constrain.structured import StructuredRuntime, json_schema, validate_output
+    from neuron_constrain.structured import generate
     from timing import write_results
 
     torch.manual_seed(0)

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import neuron_constrain as nc  # noqa: E402
 from neuron_constrain.decoding.pipeline import PipelinedStep, split_step  # noqa: E402
-from neuron_constrain.structured.runtime import StructuredRuntime  # noqa: E402
+from neuron_constrain.structured.runtime.structured_runtime import StructuredRuntime  # noqa: E402
 from neuron_constrain.core.transform import Transformed  # noqa: E402
 from decode_steps import decoder, export_decode_step  # noqa: E402
 from grammar_states import SCHEMAS, load_schemas, start_requests, tekken  # noqa: E402

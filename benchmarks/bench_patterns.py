@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from neuron_constrain.structured import ConstraintError, json_schema
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured.keywords import pattern_sites
+from neuron_constrain.structured.schema.keywords import pattern_sites
 from neuron_constrain.testing import toy_tokenizer
 from neuron_constrain.testing.schemas import PATTERN_STRINGS, readable
 from neuron_constrain.testing.vocabulary import force

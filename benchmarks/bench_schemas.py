@@ -36,7 +36,7 @@ import time
 import torch
 
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured import keywords as K
+from neuron_constrain.structured.schema import keywords as K
 from neuron_constrain.structured.constraints import ConstraintError, json_schema
 from neuron_constrain.testing import force
 from timing import write_results
@@ -90,7 +90,7 @@ _RUNTIME = []  # one StructuredRuntime per worker process (its compile threads d
 
 def _runtime_host_us(engine, tokenizer, compiled, tokens) -> list[float]:
     """Per token, batch 1: StructuredRuntime.step + accept_rows minus the engine's fill + accept, in us."""
-    from neuron_constrain.structured.runtime import StructuredRuntime
+    from neuron_constrain.structured.runtime.structured_runtime import StructuredRuntime
 
     if not _RUNTIME:
         _RUNTIME.append(StructuredRuntime(tokenizer, max_rows=1, engine=engine.name, fill_threads=1, compile_workers=1))

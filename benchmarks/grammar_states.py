@@ -19,7 +19,7 @@ import torch
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import pack_bool_mask, unpack_bitmask
-from neuron_constrain.structured.runtime import BatchLayoutError, StructuredRuntime
+from neuron_constrain.structured.runtime.structured_runtime import BatchLayoutError, StructuredRuntime
 from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
 
 DATA = pathlib.Path("/work/shared/data/maskbench-dev")

@@ -32,7 +32,7 @@ from grammar_states import DATA, SCHEMAS, tekken
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.constraints import ConstraintError, json_schema
 from neuron_constrain.structured.engines.base import check_rows
-from neuron_constrain.structured.runtime import StructuredRuntime
+from neuron_constrain.structured.runtime.structured_runtime import StructuredRuntime
 
 WALK = 3  # tokens into the instance before timing (past the opening brace)
 

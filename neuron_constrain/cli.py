@@ -9,7 +9,7 @@
     neuron-constrain localize IN.pt2 --captures CAPTURES [--json OUT.json] [--plot OUT.png]   # exit 1: a culprit
     neuron-constrain generate --model smollm2 --prompt TEXT [--schema FILE | --regex R | --choice A,B |
                               --tools FILE --tool-choice required|auto|NAME [--parallel-tool-calls]] [--engine E] [--whitespace W] [--max-tokens N]
-    neuron-constrain demo [--model smollm2|tiny]
+    neuron-constrain demo [--model smollm2|tiny]            # neuron-constrain --version: the package's version
 
 Exit status: 0 ok, 1 a check failed or the graphs differ, 2 bad usage or unreadable
 input (one line naming the problem; ``--debug`` shows the traceback).
@@ -29,8 +29,7 @@ import sys
 import time
 import warnings
 
-from neuron_constrain import __version__
-from neuron_constrain.core.errors import Error, InputError, TransformError
+from neuron_constrain import __version__, Error, InputError, TransformError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -472,8 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
             if not args.debug:  # torch's deprecation chatter is not the user's problem

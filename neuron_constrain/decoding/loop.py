@@ -1,7 +1,7 @@
 """The decode loop, next to the decode programs: which requests run each step, their model
 inputs (a window without a cache, a prefill into a free cache row, one-token or verify
 steps) and their sampling noise. What the grammars do is not here: ``requests`` (the
-structured runtime's bookkeeping, ``structured/generate.py``) masks, accepts and says
+structured runtime's bookkeeping, ``structured/runtime/generate.py``) masks, accepts and says
 who is ready, through the methods below.
 
     recompute_loop(transformed, requests, max_new_tokens, pipelined=False, eos_id=eos)   # no KV cache

@@ -14,18 +14,9 @@ import time
 from typing import Sequence
 
 from neuron_constrain.models.smollm2 import Loaded
-from neuron_constrain.structured import (
-    Constraint,
-    ConstraintError,
-    choice,
-    generate,
-    json_schema,
-    parse_tool_calls,
-    regex,
-    tool_constraint,
-    validate_output,
-)
-from neuron_constrain.structured.engines.xgrammar_engine import parse_constraint
+from neuron_constrain.structured import Constraint, ConstraintError, choice, json_schema, parse_tool_calls, regex, tool_constraint, validate_output
+from neuron_constrain.structured import generate
+from neuron_constrain.structured.engines.xgrammar.engine import parse_constraint
 
 TOOL_FORMAT = "hermes"  # how the tool chat template asks SmolLM2 to call (chat.py)
 

@@ -35,7 +35,7 @@ from neuron_constrain.structured.constraints import (
     json_schema,
     regex,
 )
-from neuron_constrain.structured.generate import GenerateResult, Generation, generate, transform_decoder
+from neuron_constrain.structured.runtime.generate import GenerateResult, Generation, generate, transform_decoder
 from neuron_constrain.structured.errors import (
     BatchLayoutError,
     DisallowedTokenError,
@@ -45,8 +45,8 @@ from neuron_constrain.structured.errors import (
     RequestFailedError,
     StructuredOutputsDisabledError,
 )
-from neuron_constrain.structured.reasoning import Reasoning
-from neuron_constrain.structured.runtime import Accepted, StructuredRuntime
+from neuron_constrain.structured.runtime.reasoning import Reasoning
+from neuron_constrain.structured.runtime.structured_runtime import Accepted, StructuredRuntime
 from neuron_constrain.structured.tokenizers import (
     Tokenizer,
     TokenizerInfoError,

@@ -35,7 +35,7 @@ import os
 from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 from neuron_constrain.core.errors import Error
-from neuron_constrain.structured.engines.xgrammar_grammars import huggingface_pieces
+from neuron_constrain.structured.engines.xgrammar.grammars import huggingface_pieces
 
 
 CONTROL_MARK = b"\xff"  # never in UTF-8: a piece holding it is never grammar text

@@ -22,7 +22,7 @@ import re
 from typing import Mapping, Sequence
 
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message, json_schema
-from neuron_constrain.structured.engines.xgrammar_grammars import structural_tag_text
+from neuron_constrain.structured.engines.xgrammar.grammars import structural_tag_text
 
 TOOL_FORMATS = ("json", "mistral", "hermes", "llama3")
 _MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}

@@ -7,7 +7,7 @@ import json
 import re
 
 from neuron_constrain.structured.constraints import Constraint
-from neuron_constrain.structured.engines.xgrammar_grammars import ebnf_accepts
+from neuron_constrain.structured.engines.xgrammar.grammars import ebnf_accepts
 
 
 def validate_output(constraint: Constraint, text: str) -> str | None:

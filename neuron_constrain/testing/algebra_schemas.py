@@ -1,4 +1,4 @@
-"""Random schemas for each rewrite of the schema algebra (``structured/algebra``), and the check that a
+"""Random schemas for each rewrite of the schema algebra (``structured/schema/algebra``), and the check that a
 rewrite keeps the meaning.
 
     @given(case=algebra_case("conditional"))          # (schema, instances): if/then/else around deciders
@@ -22,8 +22,8 @@ import json
 
 from hypothesis import strategies as st
 
-from neuron_constrain.structured import algebra
-from neuron_constrain.structured.keywords import post_validate
+from neuron_constrain.structured.schema import algebra
+from neuron_constrain.structured.schema.keywords import post_validate
 
 KEYS = ("a", "b", "k")
 SCALARS = (None, True, False, -1, 0, 1, 2, 3, 1.5, "", "a", "b", "ab", "ba", "a\n", "\u0663")

@@ -10,7 +10,7 @@ random instances, each engine against ``jsonschema``.
 ``schema_and_instances(region)`` draws a schema from one region of the vocabulary (``REGIONS``:
 typed assertions, untyped assertions, combinators, references local and not, arrays and
 objects with the applicators engines tend to drop; patterns drawn from a regex grammar covering
-the features of ``structured/patterns.py``; combinator branches that carry one half of an
+the features of ``structured/schema/patterns.py``; combinator branches that carry one half of an
 adjacency unit; property names JSON writes with escapes; formats) and instances from a small
 domain that straddles the schema's limits (so about half are invalid). ``differential`` compiles the schema
 with the default policy (``json_schema(schema, strict=False)``: JSON Schema's own semantics)
@@ -32,7 +32,7 @@ import zlib
 from hypothesis import strategies as st
 
 from neuron_constrain.structured.constraints import ConstraintError, json_schema, regex
-from neuron_constrain.structured.keywords import post_validate
+from neuron_constrain.structured.schema.keywords import post_validate
 from neuron_constrain.testing.vocabulary import force
 
 REGIONS = ("typed", "untyped", "combinators", "references", "applicators", "patterns", "adjacency", "names",
@@ -174,7 +174,7 @@ def _applicators(sub):
 
 
 # --------------------------------------------------------------------------- patterns
-# Pieces of ECMA-262 syntax, each a feature of structured/patterns.py (rewritten or refused), with the
+# Pieces of ECMA-262 syntax, each a feature of structured/schema/patterns.py (rewritten or refused), with the
 # characters that straddle it: a digit or not, a newline or not, a quote, a backslash, a reserved word.
 PATTERN_ATOMS = ("a", "b", "1", "_", "-", " ", '"', "\\\\", "\\n", "é", "\\.", "\\/", "\\-", "\\^", "\\$",
                  ".", "[ab]", "[^a]", "[a-c]", "[\\d_]", "[^\\s]", "[[:alpha:]]", "[\\^a]", "[a\\]]", '[^"]',
@@ -297,7 +297,7 @@ FORMAT_STRINGS = ("2024-01-02", "2024-13-40", "2024-01-02T03:04:05Z", "03:04:05Z
 
 
 def _format_case():
-    from neuron_constrain.structured.keywords import STANDARD_FORMATS
+    from neuron_constrain.structured.schema.keywords import STANDARD_FORMATS
     return st.tuples(st.sampled_from(sorted(STANDARD_FORMATS)),
                      st.lists(st.sampled_from(FORMAT_STRINGS), min_size=8, max_size=8, unique=True)).map(
         lambda p: ({"type": "string", "format": p[0]}, p[1]))

@@ -8,9 +8,9 @@ a verdict that compiles there stops every other request while it runs (one 30,00
 ``enum`` held a server for over 90 s). ``install`` wraps ``AsyncLLM.add_request`` — the one
 coroutine every OpenAI request passes through before vLLM's own synchronous checks — so
 that it first awaits the verdict on the admission's threads: the cheap checks (the server's
-:class:`~neuron_constrain.structured.limits.Limits`, whether a schema admits any value, a
+:class:`~neuron_constrain.structured.schema.limits.Limits`, whether a schema admits any value, a
 verdict cached already) on the small lane, then the compilation on the lane its size picks
-(``structured/lanes.py``: a flood of large constraints queues behind its own kind), in
+(``structured/runtime/lanes.py``: a flood of large constraints queues behind its own kind), in
 xgrammar worker processes killed past ``compile_seconds`` and ``compile_memory_mb``. The
 loop only awaits. By the time ``validate_params`` runs (``validate.check_structured``), the
 verdict is cached: it looks it up. A refusal is a ``VLLMValidationError``: vLLM answers that
@@ -24,7 +24,7 @@ import multiprocessing
 import threading
 
 from neuron_constrain.structured import ConstraintError
-from neuron_constrain.structured.lanes import Lanes
+from neuron_constrain.structured.runtime.lanes import Lanes
 from neuron_constrain.vllm import check_vllm_version, policy
 
 check_vllm_version()
@@ -54,7 +54,7 @@ def verdict(structured_outputs, limits) -> None:
 
 
 def _constraint(kind: str, spec: str, limits):
-    from neuron_constrain.structured import limits as limits_
+    from neuron_constrain.structured.schema import limits as limits_
 
     limits_.check_text(kind, spec, limits)  # before the text is parsed: its size and nesting
     return policy.from_vllm(kind, spec)

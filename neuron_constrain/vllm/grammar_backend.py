@@ -39,8 +39,8 @@ import time
 import torch
 import xgrammar as xgr
 
-from neuron_constrain.structured.fill_budget import STRIKES, cpu_seconds
-from neuron_constrain.structured.limits import LimitError
+from neuron_constrain.structured.runtime.fill_budget import STRIKES, cpu_seconds
+from neuron_constrain.structured.schema.limits import LimitError
 from neuron_constrain.vllm import check_vllm_version
 from neuron_constrain.vllm import policy
 

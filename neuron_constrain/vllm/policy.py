@@ -21,7 +21,7 @@ compilation runs in worker processes killed past the time and memory limits.
 
 What the structured package could take over: ``admit`` is "which engine would ``auto``
 choose for this constraint, or why none" without a tokenizer; ``structural_tag`` is here
-because ``xgrammar_grammars.compile_grammar`` passes a structural tag to xgrammar as is (its JSON
+because ``xgrammar.grammars.compile_grammar`` passes a structural tag to xgrammar as is (its JSON
 schemas' bounded strings keep xgrammar's string class, which admits raw control
 characters) and has no keyword policy for the schemas inside it.
 """
@@ -34,10 +34,10 @@ import threading
 import os
 
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, validate_output
-from neuron_constrain.structured import keywords, limits as limits_
+from neuron_constrain.structured.schema import keywords, limits as limits_
 from neuron_constrain.structured.constraints import Constraint
-from neuron_constrain.structured.limits import DESCRIPTIONS, LimitError, Limits
-from neuron_constrain.structured.engines.xgrammar_grammars import lark_to_ebnf, structural_tag_ebnf
+from neuron_constrain.structured.schema.limits import DESCRIPTIONS, LimitError, Limits
+from neuron_constrain.structured.engines.xgrammar.grammars import lark_to_ebnf, structural_tag_ebnf
 
 # vLLM's StructuredOutputOptions names (vllm/v1/structured_output/backend_types.py), lower case, in the order
 # vLLM's get_structured_output_key reads them

@@ -23,7 +23,7 @@ engine-core process, where vLLM's grammars live:
   here; their calls are parsed by vLLM's tool parser. With ``--reasoning-parser`` the
   grammar starts after the thought (vLLM's manager), so what is checked is the answer, the
   tokens the grammar read; a request whose thought never ended has no answer to check.
-* **Bounded work per request.** Grammars compile on two lanes by size (``structured/lanes.py``,
+* **Bounded work per request.** Grammars compile on two lanes by size (``structured/runtime/lanes.py``,
   in place of vLLM's one grammar thread pool), so a flood of large constraints never queues
   in front of small ones; a request whose grammar passed its per-token fill budget
   (``grammar_backend.py``) ends there, alone: with its stop token where its grammar may end
@@ -45,7 +45,7 @@ check_vllm_version()
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from neuron_constrain.structured.lanes import Lanes  # noqa: E402
+from neuron_constrain.structured.runtime.lanes import Lanes  # noqa: E402
 from neuron_constrain.vllm.grammar_backend import LibraryBackend  # noqa: E402
 
 log = logging.getLogger("vllm.neuron_constrain")

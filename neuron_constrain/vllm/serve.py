@@ -16,7 +16,7 @@ the launcher splits this process's CPUs into N groups for
 ``VLLM_CPU_OMP_THREADS_BIND`` unless it is set (vLLM's automatic binding wants one NUMA
 node per rank). ``command()`` and ``environment()`` are what the tests and the
 benchmark use to start their own servers. ``--limit enum_values=10000`` (repeatable) raises
-or lowers one of the limits on what a request may cost (``structured/limits.py``; the table
+or lowers one of the limits on what a request may cost (``structured/schema/limits.py``; the table
 of docs/guides/limits.md), passed to the server as ``NEURON_CONSTRAIN_LIMITS``.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def environment(base: dict | None = None, *, vllm_args=(), **extra: str) -> dict
 
 def limits_environment(limits: list[str]) -> dict:
     """``NEURON_CONSTRAIN_LIMITS`` for ``--limit`` values (checked now: a wrong name or value stops here)."""
-    from neuron_constrain.structured.limits import Limits
+    from neuron_constrain.structured.schema.limits import Limits
     from neuron_constrain.vllm.policy import LIMITS_ENV
 
     if not limits:

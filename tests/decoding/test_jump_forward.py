@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuron_constrain import models
-from neuron_constrain.structured import StructuredRuntime, choice, ebnf, generate, json_schema, regex, validate_output
+from neuron_constrain.structured import StructuredRuntime, choice, ebnf, json_schema, regex, validate_output
+from neuron_constrain.structured import generate
 from neuron_constrain.structured.engines import ENGINES
 
 BUCKETS = (1, 2, 4, 8)

@@ -16,7 +16,7 @@ import torch
 import neuron_constrain as nc
 from neuron_constrain import structured as S
 from neuron_constrain.decoding.pipeline import PipelinedStep, PipelineTimeout, split_step
-from neuron_constrain.structured.runtime import StructuredRuntime
+from neuron_constrain.structured.runtime.structured_runtime import StructuredRuntime
 from neuron_constrain.testing import CachedGreedyStep, GreedyStep, tiny_decoder, toy_tokenizer
 from references import fresh
 from conftest import require_torch_xla

@@ -15,7 +15,7 @@ import torch
 from neuron_constrain import models as M
 from neuron_constrain import structured as S
 from neuron_constrain.structured.engines import ENGINE_CHOICES
-from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, xgrammar_info
 from neuron_constrain.testing import weather_tool
 
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "Write one sentence about the sea and the sky at night."]

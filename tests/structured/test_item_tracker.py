@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured.jump_forward import canonical_run
+from neuron_constrain.structured.runtime.jump_forward import canonical_run
 from neuron_constrain.testing import force, toy_tokenizer
 from tests.conftest import examples
 

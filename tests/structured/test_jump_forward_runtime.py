@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured.jump_forward import single_token
+from neuron_constrain.structured.runtime.jump_forward import single_token
 from neuron_constrain.testing import toy_tokenizer
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)

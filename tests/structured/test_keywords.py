@@ -13,7 +13,7 @@ import torch
 
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured import keywords as K
+from neuron_constrain.structured.schema import keywords as K
 from neuron_constrain.testing import force
 
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)

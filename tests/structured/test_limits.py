@@ -1,4 +1,4 @@
-"""Bounded work per request (``structured/limits.py``, ``satisfiable.py``, ``engines/xgrammar_worker.py``,
+"""Bounded work per request (``structured/schema/limits.py``, ``satisfiable.py``, ``engines/xgrammar/worker.py``,
 ``fill_budget.py``): every limit refuses by name, nothing recurses on a constraint's depth, a schema no
 value satisfies is refused with why, and a compile or a fill past its limit fails (or ends) its
 request alone."""
@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 
 import neuron_constrain.structured as S
-from neuron_constrain.structured import limits as L
-from neuron_constrain.structured import satisfiable, schema_rewrite
+from neuron_constrain.structured.schema import limits as L
+from neuron_constrain.structured.schema import rewrite, satisfiable
 from neuron_constrain.structured.engines import make_engine
 from neuron_constrain.testing import tiny_decoder
 from neuron_constrain.testing.hostile import hostile_constraints, ordinary_schema
@@ -138,19 +138,19 @@ def test_walk_is_iterative_and_keeps_preorder():
     deep = {"not": {}}
     for _ in range(2_000):  # twice Python's recursion limit
         deep = {"not": deep}
-    assert sum(1 for _ in schema_rewrite.walk(deep)) == 2_002
+    assert sum(1 for _ in rewrite.walk(deep)) == 2_002
 
     def recursive(schema, path="#"):  # the definition walk had
         if isinstance(schema, dict):
             yield path, schema
-            for suffix, container, key in schema_rewrite.children(schema):
+            for suffix, container, key in rewrite.children(schema):
                 yield from recursive(container[key], path + suffix)
 
     for kind, spec in hostile_constraints().values():
         if kind == "json":
             schema = json.loads(spec)
             if L.text_depth(spec) < 200:
-                assert [(p, id(n)) for p, n in schema_rewrite.walk(schema)] == \
+                assert [(p, id(n)) for p, n in rewrite.walk(schema)] == \
                        [(p, id(n)) for p, n in recursive(schema)]
 
 
@@ -300,7 +300,7 @@ def test_no_compile_worker_outlives_its_caller(tmp_path):
         import json, os, sys, threading
         from neuron_constrain.structured import from_mistral, mistral_data_file, json_schema
         from neuron_constrain.structured.engines import make_engine
-        from neuron_constrain.structured.limits import Limits
+        from neuron_constrain.structured.schema.limits import Limits
         from neuron_constrain.testing.hostile import hostile_constraints
         tok = from_mistral(mistral_data_file("tokenizer.model.v1"))
         engine = make_engine("xgrammar", tok, compile_processes=1,
@@ -402,7 +402,7 @@ def test_a_fill_ends_its_request_only_past_the_budget_on_tokens_in_a_row():
     and a fast token between them starts the count again. Each matcher is counted on its own."""
     import torch
 
-    from neuron_constrain.structured.fill_budget import STRIKES, within_budget
+    from neuron_constrain.structured.runtime.fill_budget import STRIKES, within_budget
 
     def fill(matchers, buffer, rows):
         for matcher, row in zip(matchers, rows):

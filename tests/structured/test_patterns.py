@@ -1,4 +1,4 @@
-"""Patterns read as the referee reads them (``structured/patterns.py``, ``pattern_text.py``,
+"""Patterns read as the referee reads them (``structured/schema/patterns.py``, ``pattern_text.py``,
 ``code_points.py``): every feature rewritten or refused by name and offset, the code-point set
 algebra, and the tree's language never larger than Python's ``re`` reading of the pattern.
 
@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
-from neuron_constrain.structured import code_points as C
-from neuron_constrain.structured import patterns as P
-from neuron_constrain.structured.pattern_text import to_ebnf, to_regex
+from neuron_constrain.structured.schema import code_points as C
+from neuron_constrain.structured.schema import patterns as P
+from neuron_constrain.structured.schema.pattern_text import to_ebnf, to_regex
 from neuron_constrain.testing.schemas import PATTERNS_DRAWN, readable
 from tests.conftest import examples
 

@@ -18,7 +18,7 @@ from neuron_constrain.decoding import export_decoder
 from neuron_constrain.kernels import unpack_bitmask
 from neuron_constrain.structured.engines import make_engine
 from neuron_constrain.structured.engines.base import encode_continuation
-from neuron_constrain.structured.reasoning import Reasoning, ReasoningMatcher
+from neuron_constrain.structured.runtime.reasoning import Reasoning, ReasoningMatcher
 from neuron_constrain.testing import tiny_decoder
 from neuron_constrain.testing.tiny_checkpoint import add_think_tokens, tokenizer
 

@@ -1,4 +1,4 @@
-"""Patterns as regular languages (``structured/algebra/regular.py``): the complement of a pattern holds
+"""Patterns as regular languages (``structured/schema/algebra/regular.py``): the complement of a pattern holds
 no string either dialect matches and every string both readings refuse; an intersection holds exactly
 the strings both patterns match; each read back by the library's parser as the engines read it.
 
@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
-from neuron_constrain.structured import patterns as P
-from neuron_constrain.structured.algebra import regular
-from neuron_constrain.structured.algebra.caps import Over
+from neuron_constrain.structured.schema import patterns as P
+from neuron_constrain.structured.schema.algebra import regular
+from neuron_constrain.structured.schema.algebra.caps import Over
 from neuron_constrain.testing.schemas import PATTERNS_DRAWN, readable
 from tests.conftest import examples
 from tests.structured.test_patterns import _python

@@ -1,4 +1,4 @@
-"""The schema algebra (``structured/algebra``): each rewrite keeps the meaning, the engines compiled from
+"""The schema algebra (``structured/schema/algebra``): each rewrite keeps the meaning, the engines compiled from
 it never accept what the schema as sent rejects, and each size cap is refused by name.
 
 Per rewrite, two searches over random schemas of its region (``testing/algebra_schemas.py``): the
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from neuron_constrain import structured as S
-from neuron_constrain.structured import algebra
+from neuron_constrain.structured.schema import algebra
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured import schema_rewrite as rewrite
-from neuron_constrain.structured.algebra.conditionals import ELIMINATED
+from neuron_constrain.structured.schema import rewrite as rewrite
+from neuron_constrain.structured.schema.algebra.conditionals import ELIMINATED
 from neuron_constrain.testing import force, toy_tokenizer
 from neuron_constrain.testing.algebra_schemas import REGIONS, algebra_case, meaning_changes
 from neuron_constrain.testing.schemas import differential

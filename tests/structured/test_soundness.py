@@ -183,7 +183,7 @@ def test_engine_warnings_are_refusals(toy_engines, capfd):
     """What an engine reports it ignores becomes a refusal on that engine, for each kind of message."""
     import xgrammar as xgr
 
-    from neuron_constrain.structured.engines.xgrammar_grammars import reported
+    from neuron_constrain.structured.engines.xgrammar.grammars import reported
 
     for build, arg, said in ((xgr.Grammar.from_json_schema, {"type": "string", "pattern": "^(?=a).*$"}, "Lookahead"),
                              (xgr.Grammar.from_regex, "a^b", "middle"),
@@ -199,7 +199,7 @@ def test_engine_warnings_are_refusals(toy_engines, capfd):
                                                          "not": {"format": "email"}}))  # no rewrite expresses it
 
 
-# ---- rewrites that keep the meaning (schema_rewrite.normalize), each on every engine
+# ---- rewrites that keep the meaning (rewrite.normalize), each on every engine
 def _verdicts(engines, schema, instances):
     return {name: differential(engine, schema, instances) for name, engine in engines.items()}
 
@@ -302,7 +302,7 @@ def test_closed_object_names_are_judged_once(toy_engines):
 def test_auto_reads_a_schema_once_for_xgrammar(toy_engines, monkeypatch):
     """auto routes by xgrammar's keyword policy and xgrammar's compile takes that policy: the schema is
     prepared (walked, rewritten by the algebra) once, not once to route and again to compile."""
-    from neuron_constrain.structured import keywords
+    from neuron_constrain.structured.schema import keywords
 
     calls = []
     prepare = keywords.prepare
@@ -321,7 +321,7 @@ def test_the_docs_tables_are_the_lists(table):
     """The engines guide's tables are generated from the allowlists: a list changed without the guide fails here."""
     import pathlib
 
-    from neuron_constrain.structured import keywords as K
+    from neuron_constrain.structured.schema import keywords as K
 
     guide = (pathlib.Path(__file__).parents[2] / "docs" / "guides" / "engines.md").read_text()
     copy = guide.split(f"<!-- {table}-table:start -->\n")[1].split(f"\n<!-- {table}-table:end -->")[0]
@@ -339,7 +339,7 @@ def test_a_bounded_string_on_xgrammar_is_narrower_never_wider(schema):
     escaped spellings: sound, narrower than llguidance there."""
     import jsonschema
 
-    from neuron_constrain.structured.engines.xgrammar_grammars import ebnf_accepts, schema_grammar
+    from neuron_constrain.structured.engines.xgrammar.grammars import ebnf_accepts, schema_grammar
 
     text = str(schema_grammar(S.json_schema(schema)))
     for value in ["ab", "a", "\n", "\u00e9", "\U0001F600", "\U0001F600x", "abc", "", 'a"b', "\x06"]:
@@ -370,7 +370,7 @@ def test_the_formats_xgrammar_gets_as_patterns_are_the_referees(name):
 
     import jsonschema
 
-    from neuron_constrain.structured.engines.xgrammar_engine import FORMAT_PATTERNS
+    from neuron_constrain.structured.engines.xgrammar.engine import FORMAT_PATTERNS
 
     pattern = {n: p for n, p, _ in FORMAT_PATTERNS}[name]
     body = pattern.removeprefix("^").removesuffix("$")

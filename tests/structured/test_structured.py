@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.kernels import unpack_bitmask
-from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, xgrammar_info
 from neuron_constrain.testing import GreedyStep, tiny_decoder, toy_tokenizer, weather_tool
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)

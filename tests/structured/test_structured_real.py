@@ -13,7 +13,7 @@ import xgrammar as xgr
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
-from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, xgrammar_info
 from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
 from neuron_constrain.testing import tiny_decoder, weather_tool
 

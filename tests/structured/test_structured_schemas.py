@@ -18,7 +18,7 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain import structured as S
-from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, xgrammar_info
 from neuron_constrain.testing import ForcedStep, GreedyStep, tiny_decoder, toy_tokenizer
 
 # what this file checks is host-side, the same on every torch: the main lane runs it (see the torch_agnostic marker)

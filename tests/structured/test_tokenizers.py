@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.kernels import unpack_bitmask
-from neuron_constrain.structured.engines.xgrammar_grammars import compile_grammar, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, xgrammar_info
 from neuron_constrain.structured.tokenizers import (
     Tokenizer,
     TokenizerInfoError,

@@ -55,7 +55,7 @@ def test_structural_tag_schemas_go_through_the_policy_and_the_string_fix():
         policy.from_vllm("structural_tag", json.dumps(bad))
     good = policy.from_vllm("structural_tag", json.dumps(
         {"structures": [{"begin": "<tool_call>", "schema": TOOL, "end": "</tool_call>"}], "triggers": ["<tool_call>"]}))
-    from neuron_constrain.structured.engines.xgrammar_grammars import JSON_STRING_CLASS, LENGTH_STRING_CLASS
+    from neuron_constrain.structured.engines.xgrammar.grammars import JSON_STRING_CLASS, LENGTH_STRING_CLASS
 
     assert LENGTH_STRING_CLASS not in good.spec and JSON_STRING_CLASS in good.spec
 

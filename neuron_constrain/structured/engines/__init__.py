@@ -8,10 +8,10 @@
 | module | what it holds |
 | --- | --- |
 | ``base.py`` | the contract (``GrammarEngine``, ``GrammarMatcher``, ``CompiledGrammar``) and the row checks |
-| ``xgrammar_engine.py`` | xgrammar; its batch fill on ``fill_threads.py``'s threads when asked for more than one |
-| ``xgrammar_grammars.py`` | every grammar xgrammar builds (a constraint's, tool calls', vLLM's kinds, EBNF checks) and its vocabulary |
-| ``llguidance_engine.py`` | llguidance, its matcher adapted to the contract; ``llguidance_tokenizer.py``, ``ebnf_to_lark.py`` |
-| ``auto_engine.py`` | xgrammar where it enforces the whole constraint, llguidance for the rest |
+| ``xgrammar/engine.py`` | xgrammar; its batch fill on ``xgrammar/fill_threads.py``'s threads when asked for more than one |
+| ``xgrammar/grammars.py`` | every grammar xgrammar builds (a constraint's, tool calls', vLLM's kinds, EBNF checks) and its vocabulary |
+| ``llguidance/engine.py`` | llguidance, its matcher adapted to the contract; ``llguidance/tokenizer.py``, ``ebnf_to_lark.py`` |
+| ``auto.py`` | xgrammar where it enforces the whole constraint, llguidance for the rest |
 
 Both engines write the same packed rows the graph's ``logit_mask`` takes, for every
 constraint kind: JSON schema, any JSON, regex, choice and EBNF (xgrammar's dialect;
@@ -20,12 +20,12 @@ decides which of its keywords the engine would not enforce and refuses them by d
 """
 from __future__ import annotations
 
-from neuron_constrain.structured.engines.auto_engine import AutoEngine
+from neuron_constrain.structured.engines.auto import AutoEngine
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, GrammarMatcher, check_rows
-from neuron_constrain.structured.engines.ebnf_to_lark import ebnf_to_lark
-from neuron_constrain.structured.engines.fill_threads import FillTimeout, RowFillers
-from neuron_constrain.structured.engines.llguidance_engine import LLGuidanceEngine, LLGuidanceMatcher
-from neuron_constrain.structured.engines.xgrammar_engine import XGrammarEngine
+from neuron_constrain.structured.engines.llguidance.ebnf_to_lark import ebnf_to_lark
+from neuron_constrain.structured.engines.xgrammar.fill_threads import FillTimeout, RowFillers
+from neuron_constrain.structured.engines.llguidance.engine import LLGuidanceEngine, LLGuidanceMatcher
+from neuron_constrain.structured.engines.xgrammar.engine import XGrammarEngine
 
 ENGINES = ("xgrammar", "llguidance")  # the engines themselves
 ENGINE_CHOICES = ("auto", *ENGINES)  # what engine= takes

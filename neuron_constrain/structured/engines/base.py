@@ -30,7 +30,7 @@ What an engine promises (``tests/structured/test_engines.py`` runs one contract 
   unfilled. ``batch_accept`` is ``accept_token`` per matcher.
 
 Engines do not cache compiled grammars: the runtime's one compile cache
-(``structured/compile_cache.py``) does, keyed by ``Constraint.key``.
+(``structured/runtime/compile_cache.py``) does, keyed by ``Constraint.key``.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.structured import item_plan, item_tracker, keywords, limits as limits_, satisfiable
+from neuron_constrain.structured.schema import item_plan, keywords, limits as limits_, satisfiable
+from neuron_constrain.structured.engines import item_tracker
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 
@@ -125,7 +126,7 @@ class GrammarEngine(abc.ABC):
         """The never-silent policy: the constraint this engine compiles (a JSON schema rewritten by
         :func:`keywords.prepare`), after raising for a keyword it would not enforce there or
         (``unenforced="allow"``) listing them; and the nodes the engine's narrowing typed. First, before
-        anything else reads the constraint, its :class:`~neuron_constrain.structured.limits.Limits`
+        anything else reads the constraint, its :class:`~neuron_constrain.structured.schema.limits.Limits`
         (``LimitError``), then whether a JSON schema admits any value (``satisfiable.UnsatisfiableError``)."""
         limits_.check(constraint, self.limits)
         if constraint.kind != "json_schema":

@@ -1,0 +1,267 @@
+"""What xgrammar builds: a constraint's compiled grammar, the vocabulary xgrammar reads, and the
+grammar text the rest of ``structured/`` asks of xgrammar's dialect.
+
+    compiler = xgr.GrammarCompiler(xgrammar_info(tok.info))    # the neutral VocabularyInfo, converted once
+    grammar = compile_grammar(compiler, constraint)            # a CompiledGrammar (ConstraintError: one line)
+    parse_constraint(constraint)                               # a malformed regex / choice / EBNF, now
+    ebnf_accepts(grammar_text, text)                           # validate_output's EBNF check
+    structural_tag_text(tag), structural_tag_ebnf(data, spec), lark_to_ebnf(lark)   # tool calls, vLLM's kinds
+    huggingface_pieces(hf_tokenizer, size)                     # each token's bytes, as xgrammar decodes them
+
+xgrammar 0.2.8 writes the characters of a bounded string (``minLength`` / ``maxLength``) as a
+class that admits raw control characters (invalid JSON); every grammar built here from a
+JSON schema or a structural tag gets JSON's own string-character class instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import weakref
+
+import xgrammar as xgr
+
+from neuron_constrain.structured.schema import keywords, patterns
+from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
+from neuron_constrain.structured.schema.pattern_text import constraint_regex, to_ebnf
+
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this
+# class, which admits raw control characters (invalid JSON: "\x06" inside a string).
+# We compile with JSON's own string-character class instead.
+LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
+JSON_STRING_CLASS = r'[^\0-\x1f\"\\]'
+
+_INFOS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def xgrammar_info(info) -> xgr.TokenizerInfo:
+    """xgrammar's ``TokenizerInfo`` of a ``VocabularyInfo`` (a user-built ``TokenizerInfo`` as is):
+    each token's raw bytes, special tokens as empty pieces (never text). Built once per info."""
+    if isinstance(info, xgr.TokenizerInfo):
+        return info
+    try:
+        cached = _INFOS.get(info)
+    except TypeError:  # an info that cannot be weakly referenced: built each time
+        cached = None
+    if cached is not None:
+        return cached
+    special = set(info.special_token_ids)
+    pieces = [b"" if i in special else bytes(piece) for i, piece in enumerate(info.decoded_vocab)]
+    built = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=info.vocab_size,
+                              stop_token_ids=list(info.stop_token_ids))
+    try:
+        _INFOS[info] = built
+    except TypeError:
+        pass
+    return built
+
+
+def huggingface_pieces(tokenizer, size: int) -> list[bytes]:
+    """Each token's bytes as xgrammar decodes a Hugging Face vocabulary (byte-level, byte fallback, raw)."""
+    return list(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size).decoded_vocab)[:size]
+
+
+def _whitespace_options(constraint: Constraint) -> dict:
+    if constraint.whitespace == "none":
+        return {"any_whitespace": False, "separators": (",", ":")}
+    if constraint.whitespace == "compact":
+        return {"any_whitespace": False, "separators": (", ", ": ")}
+    if constraint.whitespace == "bounded":
+        return {"any_whitespace": True, "max_whitespace_cnt": constraint.max_whitespace}
+    return {"any_whitespace": True}
+
+
+def _refused(constraint: Constraint, error: BaseException) -> ConstraintError:
+    return ConstraintError(
+        f"xgrammar could not compile this {constraint.kind} constraint ({engine_message(error)}); "
+        "fix the schema/pattern/grammar (xgrammar's dialect) and resubmit the request"
+    )
+
+
+_STDERR = threading.Lock()  # one capture of file descriptor 2 at a time
+
+
+def reported(build, *args, refuse: bool = True, **kwargs):
+    """``build(*args, **kwargs)`` (an xgrammar grammar builder), refused if xgrammar writes a warning
+    while it runs. xgrammar's C++ side reports what it drops ("Lookahead assertion is not
+    supported and is ignored", "Anchor '^' in the middle of regex is ignored", ...) on stderr
+    and carries on; the library listens on file descriptor 2 for the call, so a warning becomes
+    a refusal on xgrammar (``auto`` then tries llguidance). What else was written there is
+    written back, and so are the warnings where ``refuse`` is False (``unenforced="allow"``: the
+    output is validated afterwards)."""
+    with _STDERR:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                result = build(*args, **kwargs)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                sink.seek(0)
+                log = sink.read().decode("utf-8", "replace")
+    warnings = [line for line in log.splitlines() if "Warning" in line] if refuse else []
+    rest = "".join(line + "\n" for line in log.splitlines() if line not in warnings)
+    if rest:
+        sys.stderr.write(rest)
+    if warnings:
+        raise ConstraintError(
+            f"xgrammar would not enforce part of this constraint (it warned: {engine_message(warnings[0])}); "
+            "refused on xgrammar: use engine='llguidance' or 'auto', or remove what it ignores")
+    return result
+
+
+def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
+    """``constraint`` compiled by ``compiler`` as given (the engine's keyword policy is
+    ``XGrammarEngine.compile``'s); raises :class:`ConstraintError` (one line)."""
+    try:
+        if constraint.kind == "json_schema":
+            return compiler.compile_grammar(schema_grammar(constraint))
+        if constraint.kind == "json":
+            return compiler.compile_builtin_json_grammar()
+        if constraint.kind == "regex":
+            return compiler.compile_grammar(reported(xgr.Grammar.from_regex, constraint_regex(constraint.spec, "xgrammar")))
+        if constraint.kind in ("choice", "ebnf"):
+            return compiler.compile_grammar(reported(xgr.Grammar.from_ebnf, constraint.grammar_text()))
+        if constraint.kind == "structural_tag":
+            return compiler.compile_grammar(reported(xgr.Grammar.from_structural_tag, constraint.spec))
+    except ConstraintError:
+        raise
+    except Exception as error:  # xgrammar raises RuntimeError/ValueError with its parser's message
+        raise _refused(constraint, error) from error
+    raise ConstraintError(f"unknown constraint kind {constraint.kind!r}")
+
+
+_MARKER = "ncpattern{}x"  # what a pattern is while xgrammar converts a schema: kept as one Regex rule
+
+
+class _Markers:
+    """Each pattern of a schema replaced by a marker while xgrammar converts it, then the marker's rule
+    body replaced by the pattern as EBNF over the JSON-escaped text (``pattern_text.to_ebnf``).
+    xgrammar's own reading of a pattern is wrong in several ways (``patterns.py``); the markers
+    let it place the rules."""
+
+    def __init__(self):
+        self.bodies: dict[str, str] = {}
+        self._by_source: dict[str, str] = {}
+
+    def _mark(self, source: str) -> str | None:
+        pattern = patterns.parse(source)
+        if keywords.unenforced_feature(pattern, "xgrammar") is not None:
+            return None  # the policy listed it as unenforced (unenforced="allow")
+        if source not in self._by_source:
+            self._by_source[source] = marker = f"^{_MARKER.format(len(self._by_source))}$"
+            self.bodies[marker] = to_ebnf(pattern, search=True, json=True)
+        return self._by_source[source]
+
+    def schema(self, schema):
+        return keywords.map_patterns(schema, self._mark) if isinstance(schema, dict) else schema
+
+    def tag(self, node):
+        """A structural tag with the patterns of the JSON schemas inside it marked."""
+        if isinstance(node, list):
+            return [self.tag(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            return {**node, "json_schema": self.schema(node["json_schema"])}
+        return {key: self.schema(value) if key == "schema" else self.tag(value) for key, value in node.items()}
+
+    def substitute(self, text: str, *, refuse: bool = True) -> str:
+        for marker, body in self.bodies.items():
+            rule = f'Regex("{marker}", json_string=true)'
+            if rule not in text and refuse:
+                raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
+                                      "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
+            text = text.replace(rule, body)
+        return text
+
+
+def schema_grammar(constraint: Constraint) -> xgr.Grammar:
+    """The xgrammar grammar of a ``json_schema`` constraint: patterns written by the library, JSON
+    string characters fixed."""
+    markers = _Markers()
+    spec = markers.schema(constraint.spec)
+    try:
+        grammar = reported(xgr.Grammar.from_json_schema, spec, strict_mode=constraint.strict,
+                           refuse=constraint.unenforced != "allow", **_whitespace_options(constraint))
+    except ConstraintError:
+        raise
+    except Exception as error:
+        raise ConstraintError(
+            f"xgrammar could not convert this JSON schema ({engine_message(error)}); fix the schema"
+            + (" or pass strict=False" if constraint.strict else "")
+        ) from error
+    text = str(grammar)
+    # allowed: the output is validated afterwards
+    fixed = markers.substitute(text, refuse=constraint.unenforced != "allow")
+    if LENGTH_STRING_CLASS in fixed:
+        fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+    if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
+        fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+def parse_constraint(constraint: Constraint) -> None:
+    """Raise :class:`ConstraintError` now if a regex / choice / EBNF is malformed: xgrammar's
+    parser needs no vocabulary and takes microseconds; the token-mask compilation is what is slow."""
+    try:
+        if constraint.kind == "regex":
+            reported(xgr.Grammar.from_regex, constraint_regex(constraint.spec, "xgrammar"))
+        elif constraint.kind in ("choice", "ebnf"):
+            reported(xgr.Grammar.from_ebnf, constraint.grammar_text())
+    except Exception as error:
+        raise _refused(constraint, error) from error
+
+
+def ebnf_accepts(grammar, text: str) -> bool:
+    """Whether the EBNF ``grammar`` (xgrammar's dialect, a ``root`` rule) matches all of ``text``
+    (a fresh matcher; matching a string needs no vocabulary)."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([b"x"]), max_threads=1)
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def lark_to_ebnf(grammar: str) -> str:
+    """A Lark grammar in xgrammar's EBNF (vLLM takes Lark too)."""
+    try:
+        return str(xgr.Grammar.from_lark(grammar))
+    except Exception as error:  # noqa: BLE001 - xgrammar's parser message
+        raise ConstraintError(f"the Lark grammar could not be read ({' '.join(str(error).split())[:300]})") from error
+
+
+def structural_tag_text(tag) -> str:
+    """xgrammar's EBNF of a structural tag (a dict or its JSON), the patterns of its schemas written by
+    the library and bounded strings given JSON's string class (as ``json_schema`` constraints get);
+    raises xgrammar's own error."""
+    markers = _Markers()
+    marked = markers.tag(json.loads(tag) if isinstance(tag, str) else tag)
+    text = str(reported(xgr.Grammar.from_structural_tag, json.dumps(marked)))
+    return markers.substitute(text).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+
+
+def structural_tag_ebnf(data, spec) -> str:
+    """A structural tag (``data``: parsed; ``spec``: as given) as xgrammar EBNF, patterns written by the
+    library, bounded strings given JSON's string class (as ``json_schema`` constraints get)."""
+    try:
+        if isinstance(data, dict) and "structures" in data:  # vLLM's legacy format (begin / schema / end)
+            markers = _Markers()
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(markers.schema(s["schema"])),
+                                           end=s["end"]) for s in data["structures"]]
+            text = str(reported(xgr.Grammar.from_structural_tag, items, data["triggers"]))
+            text = markers.substitute(text).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+        else:
+            text = structural_tag_text(data if isinstance(data, dict) else spec)
+    except ConstraintError:
+        raise
+    except Exception as error:  # noqa: BLE001 - xgrammar's message
+        raise ConstraintError(f"xgrammar could not read this structural tag ({' '.join(str(error).split())[:300]})") \
+            from error
+    try:
+        xgr.Grammar.from_ebnf(text)
+    except Exception as error:  # noqa: BLE001
+        raise ConstraintError(f"the structural tag's grammar does not round-trip through EBNF ({error})") from error
+    return text
