@@ -2,6 +2,12 @@
 
     python benchmarks/bench_schemas.py --data ../shared/data/maskbench-dev --engine auto|xgrammar|llguidance \
         [--tokenizer tekken] [--json OUT] [--timeout 60] [--unenforced refuse|allow] [--limit N]
+    python benchmarks/bench_schemas.py --data ../shared/data/maskbench-dev --engines auto,llguidance,xgrammar
+
+``--engines``: several engines in one run, each file through each engine in turn (its own worker process),
+so that the machine's load falls on all alike; prints each engine's totals and ``auto``'s ratios to each
+engine alone: time to first mask p50 and p90 against llguidance's (over the files both compiled), time
+between masks p50 against xgrammar's (the median of per-file p50s over the files xgrammar alone compiled).
 
 Each file is ``{"schema": ..., "tests": [{"valid": bool, "data": ...}]}``. Per file, in a
 worker process (killed after ``--timeout`` seconds: status ``timeout``):
@@ -204,10 +210,10 @@ class _Pool:
             self.process.join(5)
 
 
-def _timed_out(path: pathlib.Path, args) -> dict:
+def _timed_out(path: pathlib.Path, args, engine: str) -> dict:
     """A file whose worker ran past the limit: ``refused`` if the policy refuses it (the limit was hit
     compiling it with unenforced="allow", to count what the refusal prevented), else ``timeout``."""
-    judge = "llguidance" if args.engine == "auto" else args.engine  # auto refuses what llguidance (its fallback) does
+    judge = "llguidance" if engine == "auto" else engine  # auto refuses what llguidance (its fallback) does
     schema = json.loads(path.read_text())["schema"]
     found = K.find(K.prepare(schema, judge), judge) if args.unenforced == "refuse" and isinstance(schema, dict) else []
     if found:
@@ -245,10 +251,37 @@ def totals(records: list[dict]) -> dict:
     return out
 
 
+def ratios(records: dict[str, list[dict]]) -> dict:
+    """``auto``'s figures over each engine alone's, on the files both compiled (``--engines``)."""
+    by_file = {name: {r["file"]: r for r in rs if r["status"] == "compiled"} for name, rs in records.items()}
+    out = {}
+
+    def over(key, other, q, files=None):
+        both = sorted(set(by_file["auto"]) & set(by_file[other]) if files is None else files)
+        ours = [by_file["auto"][f][key] for f in both if by_file["auto"][f].get(key) is not None
+                and by_file[other][f].get(key) is not None]
+        theirs = [by_file[other][f][key] for f in both if by_file["auto"][f].get(key) is not None
+                  and by_file[other][f].get(key) is not None]
+        if not ours:
+            return None
+        return {"auto": _percentile(ours, q), other: _percentile(theirs, q),
+                "ratio": _percentile(ours, q) / _percentile(theirs, q), "files": len(ours)}
+
+    if "auto" in by_file and "llguidance" in by_file:
+        out["ttfm_p50_auto_over_llguidance"] = over("ttfm_ms", "llguidance", 0.5)
+        out["ttfm_p90_auto_over_llguidance"] = over("ttfm_ms", "llguidance", 0.9)
+    if "auto" in by_file and "xgrammar" in by_file:
+        xgrammar_files = [f for f in by_file["xgrammar"] if f in by_file["auto"]]
+        out["tbm_p50_auto_over_xgrammar"] = over("tbm_us_p50", "xgrammar", 0.5, xgrammar_files)
+        out["ttfm_p90_auto_over_xgrammar"] = over("ttfm_ms", "xgrammar", 0.9)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="folder of MaskBench .json files")
-    parser.add_argument("--engine", required=True, choices=E.ENGINE_CHOICES)
+    parser.add_argument("--engine", choices=E.ENGINE_CHOICES, help="one engine")
+    parser.add_argument("--engines", help="several, comma-separated, in one run (e.g. auto,llguidance,xgrammar)")
     parser.add_argument("--tokenizer", default="tekken", choices=("tekken", "toy"))
     parser.add_argument("--json", help="write the records and totals here")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per file (compile + all instances)")
@@ -260,29 +293,43 @@ def main(argv=None) -> int:
         files = files[: args.limit]
     if not files:
         raise SystemExit(f"no .json files in {args.data}")
+    names = args.engines.split(",") if args.engines else [args.engine]
+    if not all(names) or set(names) - set(E.ENGINE_CHOICES):
+        raise SystemExit(f"pass --engine or --engines, from {', '.join(E.ENGINE_CHOICES)}")
     wall = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer)
-    engine = E.make_engine(args.engine, tokenizer)
-    pool, records = _Pool(engine, tokenizer, args.unenforced), []
-    print(f"{'file':58} {'status':13} {'val':>4} {'inv':>4} {'ttfm ms':>8} {'tbm p50':>8} {'p99':>8}  unenforced")
+    pools = {name: _Pool(E.make_engine(name, tokenizer), tokenizer, args.unenforced) for name in names}
+    records: dict[str, list[dict]] = {name: [] for name in names}
+    print(f"{'file':48} {'engine':10} {'status':13} {'val':>4} {'inv':>4} {'ttfm ms':>8} {'tbm p50':>8} {'p99':>8}  "
+          "unenforced")
     for path in files:
-        record = pool.run(path, args.timeout) or _timed_out(path, args)
-        records.append(record)
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"{path.name[:58]:58} {record['status']:13} {record.get('validation_errors', 0):4} "
-              f"{record.get('invalidation_errors', 0):4} {fmt(record.get('ttfm_ms'), '8.1f')} "
-              f"{fmt(record.get('tbm_us_p50'), '8.1f')} {fmt(record.get('tbm_us_p99'), '8.0f')}  "
-              f"{', '.join(record['unenforced'])[:70]}", flush=True)
-    pool.close()
-    summary = totals(records)
+        for name, pool in pools.items():
+            record = pool.run(path, args.timeout) or _timed_out(path, args, name)
+            records[name].append(record)
+            fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+            print(f"{path.name[:48]:48} {name:10} {record['status']:13} {record.get('validation_errors', 0):4} "
+                  f"{record.get('invalidation_errors', 0):4} {fmt(record.get('ttfm_ms'), '8.1f')} "
+                  f"{fmt(record.get('tbm_us_p50'), '8.1f')} {fmt(record.get('tbm_us_p99'), '8.0f')}  "
+                  f"{', '.join(record['unenforced'])[:60]}", flush=True)
+    for pool in pools.values():
+        pool.close()
     from importlib.metadata import version
 
-    summary.update(engine=args.engine, tokenizer=args.tokenizer, policy=args.unenforced,
-                   versions={"xgrammar": version("xgrammar"), "llguidance": version("llguidance")},
-                   wall_s=time.perf_counter() - wall)
-    print(json.dumps(summary, indent=1))
+    summaries = {}
+    for name in names:
+        summaries[name] = totals(records[name])
+        summaries[name].update(engine=name, tokenizer=args.tokenizer, policy=args.unenforced,
+                               versions={"xgrammar": version("xgrammar"), "llguidance": version("llguidance")},
+                               wall_s=time.perf_counter() - wall)
+        print(f"{name}:", json.dumps(summaries[name], indent=1))
+    if len(names) == 1:
+        result = {"files": records[names[0]], "totals": summaries[names[0]]}
+    else:
+        result = {"engines": {n: {"files": records[n], "totals": summaries[n]} for n in names},
+                  "ratios": ratios(records)}
+        print("ratios:", json.dumps(result["ratios"], indent=1))
     if args.json:
-        write_results({"files": records, "totals": summary}, args.json)
+        write_results(result, args.json)
     return 0
 
 

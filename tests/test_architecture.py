@@ -430,3 +430,48 @@ def test_no_blank_holes(module):
     text = MODULES[module].read_text()
     assert "\n\n\n\n" not in text, f"{MODULES[module].relative_to(ROOT)} has a run of blank lines at line " \
         f"{text[: text.index(chr(10) * 4)].count(chr(10)) + 2}"
+
+
+STRUCTURED_ROOMS = ("schema", "engines", "runtime")  # structured/'s rooms, in the one direction they import
+
+
+def test_the_schema_layer_imports_one_way():
+    """``structured/schema`` imports neither ``engines`` nor ``runtime``; ``engines`` does not import ``runtime``
+    (ARCHITECTURE.md: the schema compiler runs once per constraint, engines compile from its prepared form,
+    the runtime drives the engines)."""
+    prefix = "neuron_constrain.structured."
+    rank = {room: i for i, room in enumerate(STRUCTURED_ROOMS)}
+    bad = []
+    for module in MODULES:
+        if not module.startswith(prefix) or module[len(prefix):].split(".")[0] not in rank:
+            continue
+        source = rank[module[len(prefix):].split(".")[0]]
+        for target in GRAPH[module]:
+            room = target[len(prefix):].split(".")[0] if target.startswith(prefix) else None
+            if room in rank and rank[room] > source:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "an import against structured/'s direction (schema <- engines <- runtime):\n" + "\n".join(bad)
+
+
+def test_no_folder_holds_more_than_15_modules():
+    counts = {}
+    for path in MODULES.values():
+        counts[path.parent] = counts.get(path.parent, 0) + 1
+    crowded = {str(folder.relative_to(ROOT)): n for folder, n in counts.items() if n > 15}
+    assert not crowded, f"folders over 15 modules (give them rooms by role): {crowded}"
+
+
+@pytest.mark.parametrize("package", ["neuron_constrain.structured.schema", "neuron_constrain.structured.engines",
+                                     "neuron_constrain.structured.runtime"])
+def test_a_room_says_which_of_its_modules_are_public(package):
+    """Each of structured/'s rooms lists its modules in ``__all__`` (what others may import), or names one
+    private (``_name.py``)."""
+    init = MODULES[package]
+    tree = ast.parse(init.read_text())
+    listed = next((ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                   and any(getattr(target, "id", None) == "__all__" for target in node.targets)), None)
+    assert listed is not None, f"{init.relative_to(ROOT)} has no __all__"
+    modules_here = {path.stem for path in init.parent.iterdir() if path.suffix == ".py" and path.stem != "__init__"}
+    modules_here |= {path.name for path in init.parent.iterdir() if (path / "__init__.py").exists()}
+    unlisted = sorted(m for m in modules_here if not m.startswith("_") and m not in listed)
+    assert not unlisted, f"{package}: modules neither private nor in __all__: {unlisted}"

@@ -214,7 +214,7 @@ class LibraryBackend(StructuredOutputBackend):
         self.limits = policy.server_limits()
         # bounded strings on xgrammar (escape-free, sound), as stock vLLM compiles them: greedy tokens stay stock's
         self.engine = AutoEngine(self.library_tokenizer, limits=self.limits, compile_processes=COMPILE_PROCESSES,
-                                 narrow_bounded_strings=True)
+                                 narrow_bounded_strings=True, race=False)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._lock = threading.Lock()

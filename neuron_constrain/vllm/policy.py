@@ -160,7 +160,7 @@ def verdict_engine(limits: Limits):
     from neuron_constrain.structured.engines import AutoEngine
 
     return AutoEngine(_Bytes().tokenizer, limits=limits, compile_processes=VERDICT_PROCESSES,
-                      narrow_bounded_strings=True)
+                      narrow_bounded_strings=True, race=False)
 
 
 _VERDICTS: dict = {}

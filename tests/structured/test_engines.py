@@ -358,8 +358,9 @@ def test_rows_checked_once_per_fill_still_refuse_every_bad_buffer(tekken):
     """The row checks run once per fill (``batch_fill``: ``check_rows``, then ``_fill_checked``;
     auto no longer checks again in each engine, llguidance's matcher not again after its
     engine): every bad buffer or row is still refused with the ValueError before a write, for
-    llguidance's raw-pointer writes alone and among xgrammar's rows in auto."""
-    auto = E.make_engine("auto", tekken)
+    llguidance's raw-pointer writes alone and among xgrammar's rows in auto (without the race, so that
+    xgrammar's matchers are in the batch)."""
+    auto = E.AutoEngine(tekken, race=False)
     try:
         keys = auto.compile(S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}))
         plain = auto.compile(S.json_schema({"type": "array", "items": {"type": "integer"}}))
@@ -394,7 +395,8 @@ def test_rows_checked_once_per_fill_still_refuse_every_bad_buffer(tekken):
 
 
 def test_auto_takes_xgrammar_where_it_enforces_everything_and_llguidance_for_the_rest(tekken):
-    engine = E.make_engine("auto", tekken)
+    """The route (without the race: with it, what xgrammar takes starts on llguidance, test_race.py)."""
+    engine = E.AutoEngine(tekken, race=False)
     try:
         plain = engine.compile(S.json_schema({"type": "array", "items": {"type": "integer"}}))
         keys = engine.compile(S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}))

@@ -359,7 +359,8 @@ def test_a_hung_fill_thread_fails_its_request_alone_and_the_runtime_keeps_servin
     writes into the old one when it wakes), and the next steps need no new runtime."""
     for event in (HANG, HUNG_STARTED, STRAGGLER_WROTE):  # (a state machine run may have set them)
         event.clear()
-    runtime = S.StructuredRuntime(VOCAB, max_rows=4, fill_threads=2, parallel_min_rows=2, fill_timeout=0.3)
+    runtime = S.StructuredRuntime(VOCAB, max_rows=4, fill_threads=2, parallel_min_rows=2, fill_timeout=0.3,
+                                  engine="xgrammar")  # its batch fill on the fill threads
     constraint = S.regex(r"[0-9]{1,3}")
     batch = ["slow", "hung", "c", "d"]
     for request_id in batch:

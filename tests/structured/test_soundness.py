@@ -299,23 +299,6 @@ def test_closed_object_names_are_judged_once(toy_engines):
         assert verdict.refused is None and not verdict.unsound and verdict.accepted_valid == 2, verdict
 
 
-def test_auto_reads_a_schema_once_for_xgrammar(toy_engines, monkeypatch):
-    """auto routes by xgrammar's keyword policy and xgrammar's compile takes that policy: the schema is
-    prepared (walked, rewritten by the algebra) once, not once to route and again to compile."""
-    from neuron_constrain.structured.schema import keywords
-
-    calls = []
-    prepare = keywords.prepare
-    monkeypatch.setattr(keywords, "prepare", lambda *args: calls.append(args) or prepare(*args))
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2}}, "required": ["n"]}
-    compiled = toy_engines["auto"].compile(S.json_schema(schema))
-    assert compiled.engine == "xgrammar" and len(calls) == 1
-    with pytest.raises(S.ConstraintError, match="neither engine"):  # refused: each engine read it once
-        toy_engines["auto"].compile(S.json_schema({"anyOf": [{"type": "array", "contains": {"const": "a"}},
-                                                             {"type": "array", "maxItems": 40}]}))
-    assert len(calls) == 3
-
-
 @pytest.mark.parametrize("table", ["guarantee", "regex"])
 def test_the_docs_tables_are_the_lists(table):
     """The engines guide's tables are generated from the allowlists: a list changed without the guide fails here."""

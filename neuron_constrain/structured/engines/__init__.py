@@ -8,15 +8,15 @@
 | module | what it holds |
 | --- | --- |
 | ``base.py`` | the contract (``GrammarEngine``, ``GrammarMatcher``, ``CompiledGrammar``) and the row checks |
-| ``xgrammar/engine.py`` | xgrammar; its batch fill on ``xgrammar/fill_threads.py``'s threads when asked for more than one |
-| ``xgrammar/grammars.py`` | every grammar xgrammar builds (a constraint's, tool calls', vLLM's kinds, EBNF checks) and its vocabulary |
-| ``llguidance/engine.py`` | llguidance, its matcher adapted to the contract; ``llguidance/tokenizer.py``, ``ebnf_to_lark.py`` |
-| ``auto.py`` | xgrammar where it enforces the whole constraint, llguidance for the rest |
+| ``xgrammar/`` | xgrammar (``engine.py``); its grammars (``grammars.py``), worker processes, fill threads |
+| ``llguidance/`` | llguidance, its matcher adapted to the contract (``engine.py``); ``tokenizer.py``, ``ebnf_to_lark.py`` |
+| ``auto.py``, ``race.py`` | xgrammar where it enforces the whole constraint, llguidance for the rest; where both are exact, the race |
+| ``item_tracker.py`` | ``uniqueItems``/``contains`` enforced on the host, in front of an engine's matcher |
 
 Both engines write the same packed rows the graph's ``logit_mask`` takes, for every
 constraint kind: JSON schema, any JSON, regex, choice and EBNF (xgrammar's dialect;
-converted to Lark for llguidance). Before a JSON schema is compiled, ``keywords.py``
-decides which of its keywords the engine would not enforce and refuses them by default.
+converted to Lark for llguidance). Engines compile from the schema compiler's prepared form
+(``schema/prepare.py``): ``keywords.py`` decides which keywords an engine would not enforce, refused by default.
 """
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ from neuron_constrain.structured.engines.llguidance.ebnf_to_lark import ebnf_to_
 from neuron_constrain.structured.engines.xgrammar.fill_threads import FillTimeout, RowFillers
 from neuron_constrain.structured.engines.llguidance.engine import LLGuidanceEngine, LLGuidanceMatcher
 from neuron_constrain.structured.engines.xgrammar.engine import XGrammarEngine
+
+__all__ = ["AutoEngine", "CompiledGrammar", "ENGINES", "ENGINE_CHOICES", "FillTimeout", "GrammarEngine",
+           "GrammarMatcher", "LLGuidanceEngine", "LLGuidanceMatcher", "RowFillers", "XGrammarEngine", "allowlists",
+           "auto", "base", "check_rows", "ebnf_to_lark", "item_tracker", "llguidance", "make_engine", "race",
+           "xgrammar"]
 
 ENGINES = ("xgrammar", "llguidance")  # the engines themselves
 ENGINE_CHOICES = ("auto", *ENGINES)  # what engine= takes

@@ -26,6 +26,7 @@ engine that made each matcher.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Sequence
@@ -37,6 +38,9 @@ from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEng
 from neuron_constrain.structured.schema.limits import LimitError
 from neuron_constrain.structured.schema.satisfiable import UnsatisfiableError
 from neuron_constrain.structured.engines.llguidance.engine import LLGuidanceEngine, LLGuidanceMatcher
+from neuron_constrain.structured.engines.item_tracker import ItemTrackingMatcher
+from neuron_constrain.structured.engines.race import RacingMatcher
+from neuron_constrain.structured.schema.prepare import Prepared, prepare
 from neuron_constrain.structured.engines.xgrammar.engine import XGrammarEngine
 
 
@@ -46,9 +50,13 @@ class AutoEngine(GrammarEngine):
     name = "auto"
 
     def __init__(self, tokenizer, *, fill_threads: int = 1, fill_timeout: float = 120.0, limits=None,
-                 compile_processes: int = 0, narrow_bounded_strings: bool = False):
+                 compile_processes: int = 0, narrow_bounded_strings: bool = False, race: bool = True):
         super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits)
         self.narrow_bounded_strings = narrow_bounded_strings
+        self.race = race  # compile on both engines at once where both are exact (False: xgrammar alone there)
+        # how the races went: "races" (started on llguidance), "xgrammar_first" (xgrammar was ready first),
+        # and per request that started on llguidance, "moved" (to xgrammar) or "stayed"
+        self.counts: collections.Counter = collections.Counter()
         self.xgrammar = XGrammarEngine(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout,
                                        limits=self.limits, compile_processes=compile_processes)
         self._llguidance: LLGuidanceEngine | None = None  # built on first need (~0.3 s at 131k)
@@ -62,41 +70,83 @@ class AutoEngine(GrammarEngine):
                                                    fill_timeout=self.fill_timeout, limits=self.limits)
             return self._llguidance
 
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
-        strict = dataclasses.replace(constraint, unenforced="refuse") if constraint.kind == "json_schema" else constraint
-        try:  # xgrammar's policy once: it routes, and xgrammar's compile takes it
-            policy, narrowed = self._xgrammar_policy(strict)
+    def compile(self, constraint: Constraint | Prepared, *, policy: str | None = None) -> CompiledGrammar:
+        prepared = prepare(constraint, self.limits)  # once: every engine and route below reads this one
+        policy = policy or prepared.constraint.unenforced
+        try:  # xgrammar's view once: it routes, and xgrammar's compile takes it
+            view, _ = self.xgrammar.view(prepared, "refuse")
         except (LimitError, UnsatisfiableError):
             raise  # the constraint's own: no engine would take it
         except ConstraintError as refused:
-            policy, xgrammar_said = None, str(refused)
-        if policy is not None:
-            if narrowed:
-                try:  # an engine exact on the whole schema first
-                    return self.llguidance.compile(strict)
+            view, xgrammar_said = None, str(refused)
+        if view is not None:
+            if view.narrowed or (view.bounded_strings and not self.narrow_bounded_strings):
+                try:  # an engine exact on the whole schema first; xgrammar's narrowed grammar is the fallback
+                    return self.llguidance.compile(prepared, policy="refuse")
                 except (ConstraintError, ImportError, ValueError):
                     pass
+            elif self.race:
+                return self._race(prepared)
             try:
-                return self.xgrammar.compile(strict, policy)
+                return self.xgrammar.compile(prepared, policy="refuse")
             except (LimitError, UnsatisfiableError):
                 raise
             except ConstraintError as refused:
                 xgrammar_said = str(refused)
         try:
-            return self.llguidance.compile(constraint)
+            return self.llguidance.compile(prepared, policy=policy)
         except (ConstraintError, ImportError, ValueError) as error:
-            if constraint.unenforced == "allow" and constraint.kind == "json_schema":
-                return self.xgrammar.compile(constraint)  # compiles; lists what it does not enforce
+            if policy == "allow" and prepared.kind == "json_schema":
+                return self.xgrammar.compile(prepared, policy="allow")  # compiles; lists what it does not enforce
             combined = ConstraintError(f"neither engine takes this constraint: llguidance: {' '.join(str(error).split())} "
                                        f"| xgrammar: {xgrammar_said}")
             combined.unenforced = getattr(error, "unenforced", None)  # a refusal (keywords.py), not a syntax error
             raise combined from error
 
+    def _race(self, prepared: Prepared) -> CompiledGrammar:
+        """Both engines take ``prepared`` exactly: xgrammar compiles on a thread of its own (its worker process
+        where there is one) while llguidance compiles here. The first ready serves the first masks; requests
+        started on llguidance move to xgrammar when its grammar is ready (``race.RacingMatcher``)."""
+        pending = self.xgrammar.compile_later(prepared, policy="refuse")
+        try:
+            first = self.llguidance.compile(prepared, policy="refuse")
+        except (ConstraintError, ImportError, ValueError):
+            return pending.result()  # llguidance cannot: xgrammar alone, as before the race
+        if pending.done() and pending.exception() is None:
+            self._count("xgrammar_first")
+            return pending.result()  # xgrammar was ready first: no reason to start anywhere else
+        self._count("races")
+        return dataclasses.replace(first, successor=pending)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counts[name] += 1
+
     def wait_ready(self) -> None:
         self.xgrammar.wait_ready()
 
     def matcher(self, compiled: CompiledGrammar):
-        return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
+        """The compiling engine's matcher; while ``auto``'s race is on, a ``RacingMatcher`` over llguidance's that
+        moves to xgrammar's (each behind its own item tracker, which replays the prefix too)."""
+        pending = compiled.successor
+        if pending is None:
+            return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).matcher(compiled)
+        if pending.done() and not pending.cancelled() and pending.exception() is None:
+            return self.xgrammar.matcher(pending.result())  # the race is over: the faster engine from the start
+        return RacingMatcher(self.llguidance.matcher(compiled), "llguidance", pending, self.xgrammar.matcher,
+                             "xgrammar", self._count_move)
+
+    def served(self, matcher) -> tuple[tuple[str, ...], int | None]:
+        if type(matcher) is RacingMatcher:
+            return matcher.engines, matcher.moved_at
+        inner = matcher.grammar if type(matcher) is ItemTrackingMatcher else matcher
+        return ("llguidance" if isinstance(inner, LLGuidanceMatcher) else "xgrammar",), None
+
+    def engine_matcher(self, compiled: CompiledGrammar):
+        return (self.llguidance if compiled.engine == "llguidance" else self.xgrammar).engine_matcher(compiled)
+
+    def _count_move(self, outcome: str) -> None:
+        self._count("moved" if outcome == "moved" else "stayed")
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
         # batch_fill checked the buffer and rows once: each engine fills its matchers without checking again
@@ -123,16 +173,11 @@ class AutoEngine(GrammarEngine):
         return super().batch_accept(matchers, tokens)
 
     def forced_tokens(self, matcher) -> list[int]:
+        if type(matcher) is RacingMatcher:
+            matcher = matcher.current  # whoever serves it now
+        if type(matcher) is ItemTrackingMatcher:
+            matcher = matcher.grammar  # the engine's forced text; the caller accepts it through the tracker
         return (self.llguidance if isinstance(matcher, LLGuidanceMatcher) else self.xgrammar).forced_tokens(matcher)
-
-    def _xgrammar_policy(self, constraint: Constraint):
-        """xgrammar's keyword policy for ``constraint``, and whether xgrammar would take fewer values than the
-        schema somewhere (an untyped node typed, a format written as a narrower pattern, a bounded string
-        unless ``narrow_bounded_strings``). The policy checks the limits first: a constraint past them is
-        refused here, for every engine; a keyword xgrammar would not enforce raises ``ConstraintError``."""
-        prepared, unenforced, typed = self.xgrammar.keyword_policy(constraint, bounded_strings=False)
-        bounded = self.xgrammar.bounded_strings(prepared, typed)
-        return (prepared, unenforced, typed + bounded), bool(typed or (bounded and not self.narrow_bounded_strings))
 
     def close(self) -> None:
         self.xgrammar.close()

@@ -2,6 +2,7 @@
 
     engine = XGrammarEngine(tokenizer)            # tokenizer: .info (+ .encode for llguidance)
     compiled = engine.compile(constraint)         # ConstraintError (one line): refused or malformed
+    compiled = engine.compile(prepared)           # or from a schema.prepare.Prepared: its steps are not run again
     matcher = engine.matcher(compiled)            # a fresh GrammarMatcher per request
     failures = engine.batch_fill(matchers, buffer, rows)   # [(index, error)] for the rows that failed
     accepted = engine.batch_accept(matchers, tokens)       # [bool] per matcher
@@ -35,13 +36,15 @@ Engines do not cache compiled grammars: the runtime's one compile cache
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import dataclasses
 from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
 
 from neuron_constrain.kernels import packed_width
-from neuron_constrain.structured.schema import item_plan, keywords, limits as limits_, satisfiable
+from neuron_constrain.structured.schema import item_plan, keywords, limits as limits_
+from neuron_constrain.structured.schema.prepare import EngineView, Prepared, prepare
 from neuron_constrain.structured.engines import item_tracker
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
@@ -70,6 +73,14 @@ class CompiledGrammar:
     unenforced: tuple[keywords.Unenforced, ...] = ()
     narrowed: tuple[str, ...] = ()
     item_checks: item_plan.Plan | None = None  # what the host's item tracker enforces (item_plan.py)
+    # ``auto``'s race (engines/race.py): the faster engine's grammar for the same constraint, still compiling;
+    # a matcher made while it is pending moves to it once it is ready and takes the request's prefix
+    successor: "concurrent.futures.Future[CompiledGrammar] | None" = None
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines that may serve its requests, in order: ``(engine,)``, or with the race ``auto``'s second."""
+        return (self.engine,) if self.successor is None else (self.engine, "xgrammar")
 
 
 def check_rows(buffer: torch.Tensor, rows: Sequence[int], width: int) -> int:
@@ -114,42 +125,24 @@ class GrammarEngine(abc.ABC):
         self.fill_timeout = fill_timeout  # the longest wait for a fill thread (when there are several)
 
     @abc.abstractmethod
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
+    def compile(self, constraint: Constraint | Prepared, *, policy: str | None = None) -> CompiledGrammar:
         """``constraint`` compiled for this engine; raises :class:`ConstraintError` (one line).
 
-        A JSON schema holding a keyword this engine would not enforce is refused
-        (:meth:`keyword_policy`), unless the constraint opts in with ``unenforced="allow"``."""
+        A JSON schema holding a keyword this engine would not enforce is refused (:meth:`view`), unless the
+        policy (``policy``, else the constraint's own ``unenforced``) is ``"allow"``."""
 
     enforces: ClassVar[keywords.Allowlist | None] = None  # what this engine enforces of JSON Schema
 
-    def keyword_policy(self, constraint: Constraint) -> tuple[Constraint, tuple[keywords.Unenforced, ...], tuple[str, ...]]:
-        """The never-silent policy: the constraint this engine compiles (a JSON schema rewritten by
-        :func:`keywords.prepare`), after raising for a keyword it would not enforce there or
-        (``unenforced="allow"``) listing them; and the nodes the engine's narrowing typed. First, before
-        anything else reads the constraint, its :class:`~neuron_constrain.structured.schema.limits.Limits`
-        (``LimitError``), then whether a JSON schema admits any value (``satisfiable.UnsatisfiableError``)."""
-        limits_.check(constraint, self.limits)
-        if constraint.kind != "json_schema":
-            return constraint, (), ()
-        satisfiable.check(constraint.spec, self.limits.answer_chars)
-        narrowed: list[str] = []
-        try:
-            schema = keywords.prepare(constraint.spec, self.enforces, narrowed)
-        except RecursionError:  # the depth limit keeps every walker within Python's stack; this is the backstop
-            raise limits_.LimitError("depth", "too deep for Python's stack", self.limits.depth) from None
-        if schema is False:
-            raise ConstraintError("the schema is `false`: no output is valid; send a schema some value satisfies")
-        unenforced = keywords.check(schema, self.enforces, constraint.unenforced, item_plan.Plan.of(schema))
-        return dataclasses.replace(constraint, spec=schema), unenforced, tuple(narrowed)
-
-    @staticmethod
-    def tracked(prepared: Constraint) -> tuple[Constraint, item_plan.Plan | None]:
-        """What the engine compiles of a prepared constraint (the array keywords the host tracks taken
-        out), and the tracker's plan (None: nothing to track)."""
-        plan = item_plan.Plan.of(prepared.spec) if prepared.kind == "json_schema" else None
-        if plan is None or plan.untracked is not None or not plan.reached:
-            return prepared, None
-        return dataclasses.replace(prepared, spec=plan.engine_schema()), plan
+    def view(self, constraint: Constraint | Prepared, policy: str | None = None) -> tuple[EngineView, tuple]:
+        """The never-silent policy: this engine's view of the prepared constraint (what it compiles, its
+        narrowing, the item tracker's plan) and the keywords it would not enforce there, after raising for one
+        (policy ``refuse``) or listing them (``allow``). Preparing checks, before anything else reads the
+        constraint, its :class:`~neuron_constrain.structured.schema.limits.Limits` (``LimitError``), then
+        whether a JSON schema admits any value (``satisfiable.UnsatisfiableError``); a ``Prepared`` is not
+        prepared again, and each engine's view of it is computed once."""
+        prepared = prepare(constraint, self.limits)
+        view = prepared.view(self.enforces) if self.enforces is not None else prepared.view(self.name)
+        return view, view.unenforced(policy or prepared.constraint.unenforced)
 
     def tracking(self, matcher, compiled: CompiledGrammar):
         """``matcher``, behind the item tracker where ``compiled`` has one."""
@@ -157,6 +150,11 @@ class GrammarEngine(abc.ABC):
             return matcher
         vocabulary = item_tracker.tracker_vocabulary(self.info)
         return item_tracker.ItemTrackingMatcher(matcher, compiled.item_checks, vocabulary, self.width)
+
+    def served(self, matcher) -> tuple[tuple[str, ...], int | None]:
+        """The engines that decided the tokens of ``matcher`` (one this engine made), in order, and the tokens
+        accepted before it moved to the second (None: it never moved)."""
+        return (self.name,), None
 
     def wait_ready(self) -> None:
         """Until the engine can start a compilation (its compile workers started); at once by default."""
@@ -166,9 +164,13 @@ class GrammarEngine(abc.ABC):
         malformed and this engine can tell cheaply (without the vocabulary); by default it
         cannot, and ``compile`` finds it."""
 
-    @abc.abstractmethod
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
-        """A fresh matcher at the start of ``compiled``'s grammar."""
+        """A fresh matcher at the start of ``compiled``'s grammar (behind the item tracker where it has one)."""
+        return self.tracking(self.engine_matcher(compiled), compiled)
+
+    @abc.abstractmethod
+    def engine_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        """The engine's own fresh matcher of ``compiled``, without the item tracker."""
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], buffer: torch.Tensor,
                    rows: Sequence[int]) -> list[tuple[int, BaseException]]:

@@ -42,6 +42,9 @@ class Generation:
         forced_tokens: tokens its grammar forced, taken as drafts of a verify step.
         forced_seconds: host time finding its forced runs.
         reasoning: with ``reasoning=``, the thought's text (vLLM's ``reasoning_content``).
+        engines: the grammar engines that decided its answer's tokens, in order (``auto``'s race: llguidance
+            until xgrammar's grammar was ready, then xgrammar); empty without a grammar.
+        moved_at: with two engines, how many tokens the first decided.
     """
 
     request_id: int
@@ -58,6 +61,8 @@ class Generation:
     forced_seconds: float = 0.0  # host time finding its forced runs
     reasoning: str | None = None  # with ``reasoning=``: the thought's text (without its end marker), as vLLM's
     # ``reasoning_content``; ``text`` is then the answer after it (empty when the thought never ended)
+    engines: tuple[str, ...] = ()  # the grammar engines that decided its answer, in order
+    moved_at: int | None = None  # with two engines: the tokens the first decided
 
 
 @dataclasses.dataclass
@@ -294,6 +299,7 @@ def generate(
             recompute_loop(model, calls, max_new_tokens, pipelined, tokenizer.eos_id)
         unenforced = {i: runtime.unenforced(calls.ids[i]) for i in range(len(prompts)) if i not in calls.errors}
         forced_seconds = [runtime.forced_seconds(request_id) for request_id in calls.ids]
+        served = [runtime.engines(request_id) for request_id in calls.ids]
     finally:
         for request_id in added:
             runtime.remove(request_id)
@@ -314,6 +320,7 @@ def generate(
             generation.seconds = calls.ended[index] - calls.started[index]
         generation.forward_passes, generation.forced_tokens = calls.passes[index], calls.forced[index]
         generation.forced_seconds = forced_seconds[index]
+        generation.engines, generation.moved_at = served[index]
         if unenforced.get(index):  # accepted unenforced keywords: validate, never return it as if valid
             generation.unenforced = [u.describe() for u in unenforced[index]]
             if reason == "stop":

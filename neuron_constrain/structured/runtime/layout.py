@@ -29,6 +29,7 @@ class RequestState:
 
     constraint: Constraint | None
     matcher: object | None = None  # the engine's matcher once the grammar is ready
+    answer: object | None = None  # the engine's matcher of its answer (``matcher`` itself, or inside a reasoning one)
     finished: bool = False  # it took a stop token, or failed: its rows allow only stop tokens
     job: object | None = None  # its compilation while pending (compile_cache.CompileJob)
     added: float = 0.0  # when add() admitted it (perf_counter)

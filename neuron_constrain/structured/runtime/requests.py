@@ -79,6 +79,12 @@ class Requests:
         self._unreported.discard(request_id)
         self.version += 1
 
+    def answer(self, request_id: Hashable):
+        """The engine's matcher of the request's answer, its compilation resolved first (None: pending, failed
+        or unconstrained)."""
+        self.error(request_id)
+        return self.get(request_id).answer
+
     def resolve(self, request_id: Hashable, state: RequestState) -> bool:
         """Make the request's matcher if its compilation is done; False while it is pending or failed."""
         job = state.job
@@ -89,10 +95,10 @@ class Requests:
             try:
                 compiled = job.future.result()
                 if state.reasoning is None:
-                    state.matcher = self.engine.matcher(compiled)
+                    state.matcher = state.answer = self.engine.matcher(compiled)
                 else:  # the answer's and the thought's grammars (either may be None), behind the request's matcher
-                    answer, thought = (None if c is None else self.engine.matcher(c) for c in compiled)
-                    state.matcher = state.reasoning(answer, thought)
+                    state.answer, thought = (None if c is None else self.engine.matcher(c) for c in compiled)
+                    state.matcher = state.reasoning(state.answer, thought)
                     compiled = compiled[0]
                 state.unenforced = tuple(compiled.unenforced) if compiled is not None else ()
             except ConstraintError as error:

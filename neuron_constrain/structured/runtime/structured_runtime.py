@@ -8,8 +8,7 @@ with grammars compiled off the critical path and failures kept to their request.
     result = runtime.accept_rows(batch, tokens)              # result.finished, result.failed {id: error}
     runtime.error("r1")                                      # why a request failed, or None
 
-The parts: ``compile_cache.py`` (the compiled grammars, the thread pool), ``layout.py`` (which
-row each request owns, reused while the batch and its states hold), here the fill and accept.
+The parts: ``compile_cache.py`` (grammars, threads), ``layout.py`` (rows), here the fill and accept.
 
 Failures stay with their request: a constraint that does not parse or compile (``add`` never
 raises for what a constraint says), a compilation past its limit, a fill that raises or hangs, a
@@ -20,8 +19,7 @@ caller's own mistakes (an unknown or repeated request, too many rows) raise
 :class:`BatchLayoutError`; ``accept()`` of one request raises its :class:`DisallowedTokenError`
 and leaves the request as it was, for callers that retry.
 
-Compilation and fill run off the critical path and within each request's limits: see the
-class's arguments (``compile_workers``, ``compile_isolation``, ``fill_threads``, ``limits``...).
+Compilation and fill run off the critical path, within each request's limits (the class's arguments).
 """
 from __future__ import annotations
 
@@ -306,6 +304,11 @@ class StructuredRuntime:
         (``json_schema(..., unenforced="allow")``; ``keywords.Unenforced``), once compiled."""
         self.requests.error(request_id)  # resolves a finished compilation
         return self.requests.get(request_id).unenforced
+
+    def engines(self, request_id: Hashable) -> tuple[tuple[str, ...], int | None]:
+        """The engines that decided its answer, in order, and its tokens before a move (``auto``'s race)."""
+        answer = self.requests.answer(request_id)
+        return self.engine.served(answer) if answer is not None else ((), None)
 
     def finished(self, request_id: Hashable) -> bool:
         """Whether the request took a stop token (or failed: see ``error``)."""

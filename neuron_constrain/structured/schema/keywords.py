@@ -8,12 +8,12 @@
 Never silently wrong by construction: each engine declares the keywords it enforces and where
 (:class:`Allowlist`, kept beside the engine: ``engines/xgrammar/engine.py``,
 ``engines/llguidance/engine.py``). A schema compiles on an engine only if every keyword of the
-JSON Schema vocabulary (``schema_rewrite.VOCABULARY``), at every location, is on that engine's
+JSON Schema vocabulary (``rewrite.VOCABULARY``), at every location, is on that engine's
 list with its condition met; anything else is refused by default, naming the keyword, its JSON
 pointer and an engine that enforces it there, and ``auto`` sends the schema to that engine.
 Keywords outside the vocabulary (``title``, ``description``, ``$defs``, ``x-...``) assert
 nothing and are never refused. Before the check, :func:`prepare` applies the rewrites that keep
-a schema's meaning (``schema_rewrite.normalize``) and the engine's own (``distribute`` /
+a schema's meaning (``rewrite.normalize``) and the engine's own (``distribute`` /
 ``narrow`` for xgrammar). ``json_schema(..., unenforced="allow")`` opts in: the request
 compiles, its result lists the unenforced keywords, and the final output is validated here.
 
@@ -72,7 +72,7 @@ class Allowlist:
     engine: str
     entries: tuple[Enforced, ...]
     formats: frozenset
-    rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (schema_rewrite.py)
+    rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (schema/rewrite.py)
     # (format, pattern, exact): a format this engine has no sound grammar for, written as a pattern
     # (exact: the referee's meaning; else narrower, and the node is listed as narrowed)
     format_patterns: tuple[tuple[str, str, bool], ...] = ()
@@ -220,13 +220,20 @@ _NEGATED = frozenset({"not", "if", "oneOf"})  # keywords whose subschemas a vali
 
 
 def prepare(schema, engine, narrowed: list | None = None):
-    """The schema ``engine`` compiles: ``normalize`` (meaning kept), then the engine's own rewrites;
-    ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed and
-    of formats it writes as a narrower pattern."""
+    """The schema ``engine`` compiles: ``algebra.lower`` (meaning kept), then :func:`engine_rewrites`
+    (``prepare.Prepared`` runs the two apart: the first once per constraint, the second once per engine)."""
+    lowered = algebra.lower(schema)
+    return engine_rewrites(lowered, engine, narrowed) if isinstance(lowered, dict) else lowered
+
+
+def engine_rewrites(lowered, engine, narrowed: list | None = None):
+    """A copy of ``lowered`` (an ``algebra.lower``-ed schema, never modified) with ``engine``'s own rewrites;
+    ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed and of
+    formats it writes as a narrower pattern."""
+    if not isinstance(lowered, dict):
+        return lowered
     lists = allowlist(engine)
-    prepared = algebra.lower(schema)  # normalize, and the rewrites of the schema algebra (meaning kept)
-    if not isinstance(prepared, dict):
-        return prepared
+    prepared = json.loads(json.dumps(lowered))  # each engine's own: its rewrites and its compile edit nodes
     if "distribute" in lists.rewrites:
         rewrite.distribute(prepared)
     if "narrow" in lists.rewrites:
@@ -353,7 +360,8 @@ def map_patterns(schema, rewrite_pattern: Callable[[str], "str | None"]):
     return schema
 
 
-def _refusal(item: Unenforced, more: int) -> ConstraintError:
+def refusal(item: Unenforced, more: int) -> ConstraintError:
+    """The one-line refusal of ``item`` (and ``more`` others): the keyword, its pointer, the fix."""
     others = f" ({more} more unenforced keyword{'s' if more > 1 else ''})" if more else ""
     if item.enforced_by:
         fix = f"use engine='{item.enforced_by[0]}', which enforces it"
@@ -375,7 +383,7 @@ def check(schema: dict, engine, policy: str = "refuse", tracker=None) -> tuple[U
         raise ConstraintError(f"unenforced={policy!r} is not a policy; pass one of {', '.join(POLICIES)}")
     found = find(schema, engine, tracker)
     if found and policy == "refuse":
-        raise _refusal(found[0], len(found) - 1)
+        raise refusal(found[0], len(found) - 1)
     return tuple(found)
 
 
@@ -448,7 +456,7 @@ def reported(schema: dict, engine: str, message: str) -> tuple[list[Unenforced],
 
 def refuse(found: list[Unenforced]) -> None:
     """Raise the policy's refusal for the first of ``found``."""
-    raise _refusal(found[0], len(found) - 1)
+    raise refusal(found[0], len(found) - 1)
 
 
 # --------------------------------------------------------------------------- after generation

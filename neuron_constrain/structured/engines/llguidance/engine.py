@@ -1,6 +1,6 @@
 """llguidance behind the engine contract: JSON schema, regex and Lark grammars.
 
-    engine = LLGuidanceEngine(tokenizer)               # tokenizer: .info and .encode (llguidance_tokenizer.py)
+    engine = LLGuidanceEngine(tokenizer)               # tokenizer: .info and .encode (llguidance/tokenizer.py)
     compiled = engine.compile(json_schema(schema))     # an LLMatcher template, deep-copied per request
     matcher = engine.matcher(compiled)                 # LLGuidanceMatcher: xgrammar's methods and behaviour
 
@@ -26,6 +26,7 @@ from neuron_constrain.structured.schema import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.schema.pattern_text import constraint_regex, to_regex
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, check_rows, fill_each
+from neuron_constrain.structured.schema.prepare import Prepared
 from neuron_constrain.structured.engines.llguidance.ebnf_to_lark import ebnf_to_lark, lark_chars
 from neuron_constrain.structured.engines.llguidance.tokenizer import import_llguidance, llguidance_tokenizer
 
@@ -124,10 +125,11 @@ class LLGuidanceEngine(GrammarEngine):
 
     enforces = ENFORCES
 
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
-        original = constraint
-        constraint, unenforced, _ = self.keyword_policy(constraint)
-        constraint, item_checks = self.tracked(constraint)
+    def compile(self, constraint: Constraint | Prepared, *, policy: str | None = None) -> CompiledGrammar:
+        view, unenforced = self.view(constraint, policy)
+        original = constraint.constraint if isinstance(constraint, Prepared) else constraint
+        # what _listen and the reported-keyword loop below read: the policy this compile applies
+        constraint = dataclasses.replace(view.constraint, unenforced=policy or original.unenforced)
         options: dict = {}
         template, message = self._template(constraint, options)
         if not message and constraint.strict and constraint.kind == "json_schema" and _one_of(constraint.spec):
@@ -151,7 +153,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
         self._listen(constraint, template)
-        return CompiledGrammar(self.name, original, template, unenforced, item_checks=item_checks)
+        return CompiledGrammar(self.name, original, template, unenforced, item_checks=view.plan)
 
     def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,
@@ -169,8 +171,8 @@ class LLGuidanceEngine(GrammarEngine):
                 f"{' '.join(warning.split())[:300]}); refused on llguidance: use engine='xgrammar' or 'auto', or "
                 "remove what it ignores")
 
-    def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
-        return self.tracking(LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width), compiled)
+    def engine_matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(compiled.grammar.deep_copy(), self.stop_token_ids, self.width)
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
         # batch_fill ran check_rows: our matchers write without checking again (``LLGuidanceMatcher._write``)

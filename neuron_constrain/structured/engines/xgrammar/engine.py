@@ -1,7 +1,7 @@
 """xgrammar behind the engine contract: its own ``GrammarMatcher`` is the matcher.
 
     engine = XGrammarEngine(tokenizer, fill_threads=1)
-    compiled = engine.compile(json_schema(schema))     # the keyword policy, then xgrammar_grammars.compile_grammar
+    compiled = engine.compile(json_schema(schema))     # the keyword policy, then xgrammar.grammars.compile_grammar
     engine.batch_fill(matchers, buffer, rows)          # one BatchGrammarMatcher call (1 thread),
                                                        # or RowFillers (fill_threads > 1)
 
@@ -11,7 +11,9 @@ the GIL while it fills.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 import weakref
 from typing import Sequence
 
@@ -19,6 +21,7 @@ import torch
 import xgrammar as xgr
 
 from neuron_constrain.structured.schema import keywords as K, patterns
+from neuron_constrain.structured.schema.prepare import Prepared
 from neuron_constrain.structured.engines.base import (CompiledGrammar, GrammarEngine, encode_continuation, fill_each,
                                                       fills_itself)
 from neuron_constrain.structured.engines.xgrammar.fill_threads import RowFillers
@@ -78,7 +81,7 @@ def _one_of_overlaps(node, root):
 
 
 # xgrammar compiles a node holding one of these alone, dropping every sibling assertion
-# (``schema_rewrite.distribute`` / ``narrow`` first move siblings where the meaning allows).
+# (``rewrite.distribute`` / ``narrow`` first move siblings where the meaning allows).
 _ALONE = ("$ref", "anyOf", "oneOf", "enum", "const")
 
 
@@ -215,7 +218,7 @@ ENFORCES = K.register(K.Allowlist(
 
 
 class XGrammarEngine(GrammarEngine):
-    """xgrammar: the grammars of ``xgrammar_grammars.py`` on one compiler; its matcher is xgrammar's own."""
+    """xgrammar: the grammars of ``xgrammar/grammars.py`` on one compiler; its matcher is xgrammar's own."""
 
     name = "xgrammar"
 
@@ -224,11 +227,12 @@ class XGrammarEngine(GrammarEngine):
         super().__init__(tokenizer, fill_threads=fill_threads, fill_timeout=fill_timeout, limits=limits)
         self.compiler = xgr.GrammarCompiler(xgrammar_info(self.info), max_threads=1)
         # compile_processes > 0: each compilation in a worker process, killed past limits.compile_seconds
-        # and capped at limits.compile_memory_mb (xgrammar_worker.py, shared by the engines of one
+        # and capped at limits.compile_memory_mb (xgrammar/worker.py, shared by the engines of one
         # vocabulary); 0: on the calling thread, unbounded
         self.workers = shared_workers(xgrammar_info(self.info), processes=compile_processes,
                                       memory_mb=self.limits.compile_memory_mb) if compile_processes else None
         self.fillers = RowFillers(fill_threads, fill_timeout) if fill_threads > 1 else None
+        self._later, self._later_lock = None, threading.Lock()  # compile_later's threads, started on first use
         # One thread: one call for all rows, so the GIL is released once, not once per row, while a
         # pipelined step traces the body on another thread (as fast as per-row calls when alone).
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
@@ -238,6 +242,8 @@ class XGrammarEngine(GrammarEngine):
     def close(self) -> None:
         if self.fillers is not None:
             self.fillers.close()
+        if self._later is not None:
+            self._later.shutdown(wait=False, cancel_futures=True)
 
     enforces = ENFORCES
 
@@ -245,39 +251,31 @@ class XGrammarEngine(GrammarEngine):
         if self.workers is not None:
             self.workers.wait_ready()
 
-    def keyword_policy(self, constraint, bounded_strings: bool = True):
-        """The base policy; ``narrowed`` also lists the bounded strings (``minLength``/``maxLength``) unless
-        ``bounded_strings`` is False: their characters are written without escapes (a quote, a backslash
-        or a newline inside is refused)."""
-        prepared, unenforced, narrowed = super().keyword_policy(constraint)
-        if bounded_strings:
-            narrowed += self.bounded_strings(prepared, narrowed)
-        return prepared, unenforced, narrowed
-
-    @staticmethod
-    def bounded_strings(prepared, narrowed: tuple[str, ...] = ()) -> tuple[str, ...]:
-        """The pointers of ``prepared``'s bounded strings (``minLength``/``maxLength``), those not in ``narrowed``."""
-        if prepared.kind != "json_schema" or not isinstance(prepared.spec, dict):
-            return ()
-        return tuple(path for path, node in K.rewrite.walk(prepared.spec)
-                     if {"minLength", "maxLength"} & set(node) and path not in narrowed)
-
-    def compile(self, constraint, policy=None) -> CompiledGrammar:
-        """``policy``: what :meth:`keyword_policy` returned for ``constraint`` (``AutoEngine`` routes by it
-        first), not computed again."""
-        prepared, unenforced, narrowed = policy or self.keyword_policy(constraint)
-        prepared, item_checks = self.tracked(prepared)
+    def compile(self, constraint, *, policy: str | None = None) -> CompiledGrammar:
+        """``narrowed`` also lists the bounded strings (``minLength``/``maxLength``): their characters are
+        written without escapes (a quote, a backslash or a newline inside is refused)."""
+        view, unenforced = self.view(constraint, policy)
         if self.workers is not None:
-            grammar = self.workers.compile(prepared, self.limits.compile_seconds)
+            grammar = self.workers.compile(view.constraint, self.limits.compile_seconds)
         else:
-            grammar = compile_grammar(self.compiler, prepared)
-        return CompiledGrammar(self.name, constraint, grammar, unenforced, narrowed, item_checks)
+            grammar = compile_grammar(self.compiler, view.constraint)
+        original = constraint.constraint if isinstance(constraint, Prepared) else constraint
+        return CompiledGrammar(self.name, original, grammar, unenforced, view.narrowed + view.bounded_strings, view.plan)
+
+    def compile_later(self, constraint, *, policy: str | None = None) -> concurrent.futures.Future:
+        """:meth:`compile` on a thread of its own (``auto``'s race): xgrammar releases the GIL while it compiles,
+        and a worker process (``compile_processes``) is waited for there."""
+        with self._later_lock:
+            if self._later is None:
+                self._later = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="xgrammar-later")
+                weakref.finalize(self, self._later.shutdown, wait=False, cancel_futures=True)
+            return self._later.submit(self.compile, constraint, policy=policy)
 
     def parse(self, constraint) -> None:
         parse_constraint(constraint)
 
-    def matcher(self, compiled: CompiledGrammar) -> xgr.GrammarMatcher:
-        return self.tracking(xgr.GrammarMatcher(compiled.grammar), compiled)
+    def engine_matcher(self, compiled: CompiledGrammar) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled.grammar)
 
     def _fill_checked(self, matchers: Sequence, buffer: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, BaseException]]:
         if len(matchers) == 1:  # the batch API costs ~65 us more for one row
