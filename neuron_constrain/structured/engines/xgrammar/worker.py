@@ -19,6 +19,10 @@ both ways for a small schema). Bounds:
 * CPU share: it runs at nice 10 (a tenth of a normal process's weight), so a serving
   process's own threads come first.
 
+A caller that is itself a daemonic process (every ``multiprocessing.Pool`` worker is one) may not start
+multiprocessing children: there a worker is a plain subprocess (``_Child``: the same loop, caps and nice
+level, over two pipes), so the limits hold wherever the library runs.
+
 At most ``processes`` compile at once (later callers wait their turn, which their deadline
 does not count); idle workers are reused, a killed one replaced on demand. Engines on one
 vocabulary share one set of workers (``shared_workers``: the last :data:`SHARED` vocabularies'
@@ -31,9 +35,11 @@ import collections
 import contextlib
 import dataclasses
 import multiprocessing
+import multiprocessing.connection
 import os
 import resource
 import signal
+import subprocess
 import sys
 import threading
 import weakref
@@ -41,6 +47,7 @@ import weakref
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.schema.limits import LimitError
 
+_START_SECONDS = 120  # the longest a subprocess worker (_Child) may take to import and build its compiler
 _CPU_MARGIN = 5  # seconds of CPU a job may use past its deadline before its worker stops itself
 SHARED = 4  # vocabularies whose workers are kept
 NICE = 10  # a worker's CPU weight is a tenth of a normal process's: serving comes first, compiles still move
@@ -79,6 +86,9 @@ class _Worker:
     __slots__ = ("process", "conn")
 
     def __init__(self, info_json: str, memory_mb: int):
+        if multiprocessing.current_process().daemon:  # a Pool worker, say: multiprocessing refuses it children
+            self.process, self.conn = _Child.start(info_json, memory_mb)
+            return
         context = _context()
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child, info_json, memory_mb), daemon=True,
@@ -95,6 +105,60 @@ class _Worker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
+
+
+class _Pipes:
+    """One end of two one-way pipes, as the duplex connection ``_serve`` and ``XGrammarWorkers._run`` use."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self._in = multiprocessing.connection.Connection(read_fd, writable=False)
+        self._out = multiprocessing.connection.Connection(write_fd, readable=False)
+        self.recv, self.poll, self.send = self._in.recv, self._in.poll, self._out.send
+
+    def close(self) -> None:
+        self._in.close()
+        self._out.close()
+
+
+class _Child:
+    """A worker started as a plain subprocess (``python -c``: :func:`_serve_subprocess`), for a caller that is itself
+    a daemonic process (a ``multiprocessing.Pool`` worker), which multiprocessing refuses children: the same
+    ``_serve``, caps and nice level; the ``Process`` methods ``_Worker`` uses."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen, self.pid = popen, popen.pid
+
+    @classmethod
+    def start(cls, info_json: str, memory_mb: int) -> tuple["_Child", _Pipes]:
+        from_parent, to_child = os.pipe()  # (read end, write end)
+        from_child, to_parent = os.pipe()
+        code = f"from {__name__} import _serve_subprocess; _serve_subprocess({from_parent}, {to_parent})"
+        popen = subprocess.Popen([sys.executable, "-c", code], pass_fds=(from_parent, to_parent),
+                                 stdin=subprocess.DEVNULL)
+        os.close(from_parent)
+        os.close(to_parent)
+        conn = _Pipes(from_child, to_child)
+        conn.send((info_json, memory_mb))
+        if not conn.poll(_START_SECONDS) or conn.recv() != "ready":  # its imports and compiler: not a job's time
+            popen.kill()
+            raise RuntimeError(f"xgrammar's compile worker (a subprocess) did not start in {_START_SECONDS} s")
+        return cls(popen), conn
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
 
 
 def shared_workers(info, *, processes: int, memory_mb: int) -> "XGrammarWorkers":
@@ -245,8 +309,9 @@ def _stop_all(live: set) -> None:
 
 
 # --------------------------------------------------------------------------- in the worker
-def _serve(conn, info_json: str, memory_mb: int) -> None:
-    """A worker's life: build the compiler, cap the address space, compile each job until the pipe closes."""
+def _serve(conn, info_json: str, memory_mb: int, ready: bool = False) -> None:
+    """A worker's life: build the compiler, cap the address space (``ready``: then say so), compile each job
+    until the pipe closes."""
     import xgrammar as xgr
 
     from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar
@@ -255,6 +320,8 @@ def _serve(conn, info_json: str, memory_mb: int) -> None:
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1)
     del info_json
     _cap_address_space(memory_mb)
+    if ready:
+        conn.send("ready")
     while True:
         try:
             job = conn.recv()
@@ -270,6 +337,15 @@ def _serve(conn, info_json: str, memory_mb: int) -> None:
             conn.send(reply)
         except (BrokenPipeError, OSError, MemoryError):
             return
+
+
+def _serve_subprocess(read_fd: int, write_fd: int) -> None:
+    """``_Child``'s worker: its pipes from the command line, its vocabulary and cap as the first message;
+    its standard output goes to standard error (nothing may write into a pipe but the replies)."""
+    conn = _Pipes(read_fd, write_fd)
+    os.dup2(2, 1)
+    info_json, memory_mb = conn.recv()
+    _serve(conn, info_json, memory_mb, ready=True)
 
 
 def _cap_address_space(memory_mb: int) -> None:
