@@ -114,11 +114,47 @@ def admission() -> Admission:
         return _ADMISSION
 
 
+def admitted_json(so, limits) -> bool:
+    """Whether ``so`` (a request's ``StructuredOutputsParams``) is a JSON schema the library's verdict admitted
+    already: then the library enforces it, and vLLM's own xgrammar check (which refuses `uniqueItems`,
+    `contains`, a pattern beside a length, ... that the library enforces) is not the verdict."""
+    if not so.json:
+        return False
+    try:
+        kind, spec = policy.request_constraint(so, limits)
+        return kind == "json" and policy.cached_verdict(_constraint(kind, spec, limits), limits) is not None
+    except ConstraintError:
+        return False  # refused: the verdict's own 400 comes first (add_request); vLLM's check is not needed
+
+
+def _defer_vllm_json_check() -> None:
+    """vLLM's front end validates a JSON schema with xgrammar's feature list (``validate_xgrammar_grammar``:
+    the plugin's servers name the xgrammar backend) before the plugin's ``validate_params``; for a schema the
+    library admitted, the library's verdict is the one that counts. Wrapped once, at module level: vLLM imports
+    it inside the functions that call it."""
+    from vllm.v1.structured_output import backend_xgrammar
+
+    original = backend_xgrammar.validate_xgrammar_grammar
+    if getattr(original, "neuron_constrain_admission", False):
+        return
+
+    @functools.wraps(original)
+    def validate_xgrammar_grammar(sampling_params):
+        so = sampling_params.structured_outputs
+        if so is not None and admitted_json(so, admission().limits):
+            return None
+        return original(sampling_params)
+
+    validate_xgrammar_grammar.neuron_constrain_admission = True
+    backend_xgrammar.validate_xgrammar_grammar = validate_xgrammar_grammar
+
+
 def install() -> None:
     """Wrap ``AsyncLLM.add_request`` so that a request's constraint is judged, off the event loop,
-    before vLLM reads it (idempotent)."""
+    before vLLM reads it, and vLLM's own xgrammar check defers to that verdict (idempotent)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    _defer_vllm_json_check()
     with _INSTALL:
         original = AsyncLLM.add_request
         if getattr(original, "neuron_constrain_admission", False):

@@ -42,11 +42,18 @@ REAL_MODEL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace"
 # option vLLM accepts (disable_any_whitespace needs "xgrammar" or "guidance", not "auto").
 
 
+# The plugin's API server is vLLM's own, started after importing validate.py, which installs the library's
+# admission in the API server process before the first request (vLLM would import it only at the first
+# request's validate_params, after its own checks had run: the first request would miss the admission).
+PLUGIN_SERVER = ("import runpy, neuron_constrain.vllm.validate; "
+                 "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
+
+
 def command(model: str, port: int, *, plugin: bool = True, max_num_seqs: int = 8, max_model_len: int = 512,
             extra: list[str] | None = None, name: str = "tiny", chat_template: str | None = None,
             structured_outputs: dict | None = None) -> list[str]:
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, *(("-c", PLUGIN_SERVER) if plugin else ("-m", "vllm.entrypoints.openai.api_server")),
         "--model", model, "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs), "--seed", "0",
