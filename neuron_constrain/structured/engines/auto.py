@@ -21,8 +21,23 @@ is the fallback, and the result says so (``CompiledGrammar.narrowed``: the nodes
 (the vLLM plugin: its greedy tokens stay stock's; llguidance forces a canonical tokenization of
 text the grammar fixes, xgrammar allows any), still routing untyped nodes by meaning.
 
+The race (``race=True``, the default): where xgrammar would enforce the whole constraint exactly, its
+compile has a long tail (seconds for some real schemas) while llguidance's is milliseconds. So both compile
+at once, xgrammar on a thread of its own (``XGrammarEngine.compile_later``; in its worker process when it has
+them): the compiled grammar returned is llguidance's, with xgrammar's pending as its ``successor``, and each
+request's matcher is a ``race.RacingMatcher`` that moves to xgrammar once its grammar is ready and takes the
+request's prefix. If xgrammar was ready first, or llguidance cannot compile it, xgrammar's grammar is
+returned as before. A narrowed constraint is not raced (llguidance alone keeps its meaning). ``counts``
+says how the races went; ``served(matcher)`` which engines decided a request.
+
 The two engines' matchers live side by side in one batch: fills and accepts go to the
 engine that made each matcher.
+
+    xgrammar's view of the prepared constraint (policy "refuse"):
+      refused            -> llguidance (the request's policy); failing that, under "allow": xgrammar, listed
+      narrowed           -> llguidance; failing that: xgrammar's narrowed grammar
+      exact (the race)   -> llguidance's grammar now, xgrammar's once ready (RacingMatcher)
+      exact, race=False  -> xgrammar
 """
 from __future__ import annotations
 
