@@ -300,7 +300,7 @@ def _localize(args: argparse.Namespace) -> int:
             _check_output_dir(path)
     from neuron_constrain.loading import LoadError
     from neuron_constrain.replacement.files import load_captures
-    from neuron_constrain.replacement.localize import LOGITS, load_tapped, localize
+    from neuron_constrain.replacement.localization import LOGITS, load_tapped, localize
 
     progress = _Progress()
     try:

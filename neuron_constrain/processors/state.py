@@ -23,7 +23,8 @@ from neuron_constrain.core.processor_interface import (
 )
 from neuron_constrain.processors.rows import NEUTRAL, ProcessorInputs, RequestRows, write_rows
 
-MOVE, SWAP = "move", "swap"
+MOVE = "move"  # BatchUpdate.moved: (a, b, MOVE), b takes a's request and a is emptied
+SWAP = "swap"  # BatchUpdate.moved: (a, b, SWAP), a and b exchange their requests
 
 
 def _is_index(value) -> bool:

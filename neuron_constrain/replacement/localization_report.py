@@ -1,4 +1,4 @@
-"""What :func:`~neuron_constrain.replacement.localize.localize` found, per tapped module,
+"""What :func:`~neuron_constrain.replacement.localization.localize` found, per tapped module,
 and its renderings: a text table (:meth:`LocalizationReport.summary`), strict JSON
 (:meth:`~LocalizationReport.to_json`) and a PNG of the errors by module
 (:meth:`~LocalizationReport.plot`, optional matplotlib).
