@@ -1,4 +1,5 @@
-"""The API reference is complete: every public name has an anchor.
+"""The API reference is complete: every public name has an anchor, and every public function, class and
+method says what it takes, returns and raises.
 
 Public: every name of a public module's ``__all__`` (``docs/hooks.py``'s ``public_names``: the front
 doors of ``neuron_constrain`` and its subpackages, ``passes``, ``kernels``, the graph core's documented
@@ -8,13 +9,22 @@ modules, the decoding modules the guides import), and the public methods of the 
   entry for each public name, of the kind the name is (a function documented as a function). The
   docs build checks the same (``docs/hooks.py``'s ``on_post_build``); here it also meets the package as
   it imports, so the hook's static reading of ``__all__`` is checked too.
+- Docstrings, read with ``ast`` (Google style): a docstring; an ``Args:`` section naming each argument
+  (``self`` / ``cls`` aside) where there are any; ``Returns:`` (or ``Yields:``) where the function returns
+  a value (its annotation is not ``None``, or, unannotated, it returns or yields one); ``Raises:`` where
+  its own body raises. A class's constructor arguments are its ``__init__``'s, documented in the class's
+  docstring or the ``__init__``'s; a property needs no ``Returns:`` (it reads as an attribute, and its
+  setter no docstring).
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
 import pathlib
+import re
+import textwrap
 
 import pytest
 
@@ -23,7 +33,6 @@ pytestmark = pytest.mark.torch_agnostic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INVENTORY = ROOT / "build" / "site" / "objects.inv"
-CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 
 
 def load_file(name: str, path: pathlib.Path):
@@ -98,3 +107,258 @@ def test_localize_is_documented_as_the_function():
     inventory = hooks.read_inventory(INVENTORY)
     assert inventory["neuron_constrain.replacement.localize"] == "py:function"
     assert inventory["neuron_constrain.structured.generate"] == "py:function"
+
+
+# ----------------------------------------------------------------------------- docstrings
+
+def module_files() -> dict[str, pathlib.Path]:
+    """Installed module name -> its file, for every module of the package."""
+    out = {}
+    for package, folder in {"neuron_constrain": ROOT / "neuron_constrain", "neuron_constrain.passes": ROOT / "passes",
+                            "neuron_constrain.kernels": ROOT / "kernels"}.items():
+        for path in sorted(folder.rglob("*.py")):
+            out[".".join((package, *path.relative_to(folder).with_suffix("").parts)).removesuffix(".__init__")] = path
+    return out
+
+
+MODULE_FILES = module_files()
+_TREES: dict[str, ast.Module] = {}
+
+
+def tree(module: str) -> ast.Module:
+    if module not in _TREES:
+        _TREES[module] = ast.parse(MODULE_FILES[module].read_text(), str(MODULE_FILES[module]))
+    return _TREES[module]
+
+
+def imported_from(module: str, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` statement of ``module`` reads (relative imports resolved)."""
+    if not node.level:
+        return node.module
+    package = module if MODULE_FILES[module].name == "__init__.py" else module.rpartition(".")[0]
+    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def definition(module: str, name: str):
+    """Where ``module.name`` is defined: ``(module, the def / class node)``, following imports; None for a
+    module or a value (data has no signature to document)."""
+    bound = None
+    for node in tree(module).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            bound = (module, node)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(name in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)} for t in targets):
+                bound = None
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    source = imported_from(module, node)
+                    bound = None if f"{source}.{alias.name}" in MODULE_FILES else ("import", source, alias.name)
+    if bound is not None and bound[0] == "import":
+        return definition(bound[1], bound[2])
+    return bound
+
+
+SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Yields|Raises|Attributes|Examples?|Notes?):\s*$")
+
+
+def sections(docstring: str) -> dict[str, str]:
+    """A Google-style docstring's sections: title -> its (indented) body."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in docstring.splitlines():
+        match = SECTION.match(line)
+        if match:
+            current = {"Arguments": "Args", "Parameters": "Args"}.get(match[1], match[1])
+            out[current] = []
+        elif current is not None:
+            if line.strip() and not line[0].isspace():
+                current = None
+            else:
+                out[current].append(line)
+    return {title: "\n".join(body) for title, body in out.items()}
+
+
+def own_nodes(function: ast.AST):
+    """The nodes of a function's body, nested functions, lambdas and classes left out."""
+    stack = list(function.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> list[str]:
+    a = function.args
+    names = [p.arg for p in a.posonlyargs + a.args]
+    decorators = {ast.unparse(d) for d in function.decorator_list}
+    if method and "staticmethod" not in decorators:
+        names = names[1:]
+    names += [p.arg for p in a.kwonlyargs]
+    names += [f"*{a.vararg.arg}"] if a.vararg else []
+    names += [f"**{a.kwarg.arg}"] if a.kwarg else []
+    return names
+
+
+def missing_args(docstring: str, names: list[str]) -> list[str]:
+    body = sections(docstring).get("Args", "")
+    return [n for n in names if not re.search(r"^\s+(\\?\*){0,2}" + re.escape(n.lstrip("*")) + r"\b", body, re.M)]
+
+
+def returns_a_value(function) -> bool:
+    if function.returns is not None:
+        return not (isinstance(function.returns, ast.Constant) and function.returns.value is None)
+    return any(isinstance(n, (ast.Yield, ast.YieldFrom, ast.Return)) and n.value is not None
+               and not (isinstance(n.value, ast.Constant) and n.value.value is None) for n in own_nodes(function))
+
+
+def raises(function) -> bool:
+    return any(isinstance(n, ast.Raise) and n.exc is not None for n in own_nodes(function))
+
+
+def function_problems(function, where: str, method: bool = False) -> list[str]:
+    """What a function's (or method's) docstring lacks."""
+    docstring = ast.get_docstring(function)
+    if docstring is None:
+        return [f"{where}: no docstring"]
+    found = sections(docstring)
+    problems = []
+    names = parameters(function, method)
+    if names and "Args" not in found:
+        problems.append(f"{where}: no Args section ({', '.join(names)})")
+    elif names and missing_args(docstring, names):
+        problems.append(f"{where}: Args does not name {', '.join(missing_args(docstring, names))}")
+    decorators = {ast.unparse(d).rpartition(".")[2] for d in function.decorator_list}
+    if returns_a_value(function) and not decorators & {"property", "cached_property"} \
+            and not {"Returns", "Yields"} & set(found):
+        problems.append(f"{where}: no Returns section")
+    if raises(function) and "Raises" not in found:
+        problems.append(f"{where}: no Raises section (its body raises)")
+    return problems
+
+
+def class_problems(cls: ast.ClassDef, where: str) -> list[str]:
+    """What a class's docstring, its constructor's and its public methods' lack."""
+    docstring = ast.get_docstring(cls)
+    problems = [] if docstring is not None else [f"{where}: no docstring"]
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    if init is not None:
+        text = f"{docstring or ''}\n{ast.get_docstring(init) or ''}"
+        names = parameters(init, method=True)
+        if names and "Args" not in sections(text):
+            problems.append(f"{where}: its constructor's arguments are not documented (an Args section: {', '.join(names)})")
+        elif names and missing_args(text, names):
+            problems.append(f"{where}: Args does not name {', '.join(missing_args(text, names))}")
+        if raises(init) and "Raises" not in sections(text):
+            problems.append(f"{where}: no Raises section (its __init__ raises)")
+    for node in cls.body:
+        setter = any(ast.unparse(d).endswith((".setter", ".deleter")) for d in getattr(node, "decorator_list", ()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_") and not setter:
+            problems += function_problems(node, f"{where}.{node.name}", method=True)
+    return problems
+
+
+def problems_of(module: str, node) -> list[str]:
+    where = f"{MODULE_FILES[module].relative_to(ROOT)}:{node.lineno}: {module}.{node.name}"
+    return class_problems(node, where) if isinstance(node, ast.ClassDef) else function_problems(node, where)
+
+
+def test_the_docstring_check_has_teeth():
+    source = textwrap.dedent('''
+        def bare(x):
+            return x
+
+        def good(x, *rest, flag=False, **options) -> int:
+            """Does.
+
+            Args:
+                x: one.
+                *rest: more.
+                flag: a switch.
+                **options: the rest.
+
+            Returns:
+                A number.
+
+            Raises:
+                ValueError: never mind.
+            """
+            if flag:
+                raise ValueError("x")
+            return 1
+
+        def no_returns(x) -> int:
+            """Does.
+
+            Args:
+                x: one.
+            """
+
+        def unnamed(x, y) -> None:
+            """Does.
+
+            Args:
+                x: one.
+            """
+
+        def raising():
+            """Does."""
+            raise ValueError("no")
+
+        class C:
+            """A class."""
+
+            def __init__(self, size):
+                self.size = size
+
+            def method(self):
+                """Returns its size, undeclared."""
+                return self.size
+
+            @property
+            def area(self) -> int:
+                """The area."""
+                return self.size ** 2
+    ''')
+    found = {}
+    for node in ast.parse(source).body:
+        report = class_problems(node, node.name) if isinstance(node, ast.ClassDef) else function_problems(node, node.name)
+        found[node.name] = report
+    assert found["bare"] == ["bare: no docstring"]
+    assert found["good"] == []
+    assert found["no_returns"] == ["no_returns: no Returns section"]
+    assert found["unnamed"] == ["unnamed: Args does not name y"]
+    assert found["raising"] == ["raising: no Raises section (its body raises)"]
+    assert found["C"] == ["C: its constructor's arguments are not documented (an Args section: size)",
+                          "C.method: no Returns section"]
+
+
+def public_definitions() -> list[tuple[str, ast.AST]]:
+    """Every public function and class, once (re-exported names point at one definition)."""
+    seen, out = set(), []
+    for module, names in PUBLIC.items():
+        for name in names:
+            found = definition(module, name)
+            if found is not None and (found[0], found[1].name) not in seen:
+                seen.add((found[0], found[1].name))
+                out.append(found)
+    return out
+
+
+def test_the_walk_reaches_the_public_objects():
+    reached = {f"{module}.{node.name}" for module, node in public_definitions()}
+    assert {"neuron_constrain.structured.runtime.structured_runtime.StructuredRuntime",
+            "neuron_constrain.structured.runtime.reasoning.Reasoning", "neuron_constrain.vllm.server_args",
+            "neuron_constrain.replacement.localization.localize", "neuron_constrain.passes.split_at_mask_pass.SplitReport",
+            "neuron_constrain.kernels.bitmask.apply_bitmask", "neuron_constrain.core.transform.transform"} <= reached
+    assert len(reached) > 150
+
+
+def test_every_public_object_documents_its_arguments_returns_and_raises():
+    problems = [p for module, node in public_definitions() for p in problems_of(module, node)]
+    assert not problems, f"{len(problems)} docstring(s) to complete (Google style: Args, Returns, Raises):\n" + \
+        "\n".join(problems)
