@@ -1,5 +1,5 @@
-"""The API reference is complete: every public name has an anchor, and every public function, class and
-method says what it takes, returns and raises.
+"""The API reference is complete: every public name has an anchor, every public function, class and
+method says what it takes, returns and raises, and the CLI page is the parser's.
 
 Public: every name of a public module's ``__all__`` (``docs/hooks.py``'s ``public_names``: the front
 doors of ``neuron_constrain`` and its subpackages, ``passes``, ``kernels``, the graph core's documented
@@ -15,9 +15,12 @@ modules, the decoding modules the guides import), and the public methods of the 
   its own body raises. A class's constructor arguments are its ``__init__``'s, documented in the class's
   docstring or the ``__init__``'s; a property needs no ``Returns:`` (it reads as an attribute, and its
   setter no docstring).
+- The CLI page, ``docs/reference/cli.md``, is what ``docs/gen_cli.py`` writes from ``build_parser()``; it
+  names every argument of every command, each has a help text, and the help says what the code does.
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import importlib.util
@@ -33,6 +36,7 @@ pytestmark = pytest.mark.torch_agnostic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INVENTORY = ROOT / "build" / "site" / "objects.inv"
+CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 
 
 def load_file(name: str, path: pathlib.Path):
@@ -362,3 +366,75 @@ def test_every_public_object_documents_its_arguments_returns_and_raises():
     problems = [p for module, node in public_definitions() for p in problems_of(module, node)]
     assert not problems, f"{len(problems)} docstring(s) to complete (Google style: Args, Returns, Raises):\n" + \
         "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- the CLI page
+
+gen_cli = load_file("docs_gen_cli", ROOT / "docs" / "gen_cli.py")
+
+
+def parser_and_commands() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from neuron_constrain.cli import build_parser
+
+    parser = build_parser()
+    return parser, {name: sub for name, _, sub in gen_cli.commands(parser)}
+
+
+def test_the_cli_page_is_the_parser_s():
+    parser, _ = parser_and_commands()
+    assert CLI_PAGE.read_text() == gen_cli.cli_reference(parser), \
+        "docs/reference/cli.md is not the parser's: regenerate it with `python docs/gen_cli.py`"
+
+
+def page_sections(page: str) -> dict[str, str]:
+    """The page's text under each ``## command`` heading (``""``: the text before the first)."""
+    parts = re.split(r"^## (\w+)$", page, flags=re.M)
+    return {"": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
+def test_every_argument_of_every_command_is_on_the_page():
+    parser, commands = parser_and_commands()
+    assert list(commands) == ["rewrite", "show", "diff", "check", "hlo", "localize", "generate", "demo"]
+    page = page_sections(CLI_PAGE.read_text())
+    missing = []
+    for name, command in [("", parser), *commands.items()]:
+        for action in gen_cli.arguments(command):
+            spellings = action.option_strings or [action.metavar or action.dest]
+            missing += [f"{name or 'neuron-constrain'} {s}" for s in spellings if f"`{s}" not in page.get(name, "")]
+            if not (action.help or "").strip():
+                missing.append(f"{name or 'neuron-constrain'} {spellings[0]}: no help text")
+    assert not missing, f"not on docs/reference/cli.md: {missing} (give each a help=, then `python docs/gen_cli.py`)"
+    for name, flag in [("", "--debug"), ("", "--version"), ("rewrite", "--empty-row"), ("rewrite", "--tp-degree"),
+                       ("rewrite", "--passes"), ("localize", "--atol")]:
+        assert f"`{flag}" in page[name], (name, flag)
+
+
+def test_the_page_check_has_teeth():
+    parser, commands = parser_and_commands()
+    page = gen_cli.cli_reference(parser)
+    assert "`--tp-degree N`" in page and "`IN.pt2`" in page and "(default `1e-05`)" in page
+    commands["rewrite"].add_argument("--new-flag", help="a new flag")
+    assert gen_cli.cli_reference(parser) != page and "`--new-flag NEW_FLAG`: a new flag" in gen_cli.cli_reference(parser)
+
+
+def test_the_help_says_what_the_code_does():
+    from neuron_constrain import cli
+
+    _, commands = parser_and_commands()
+    options = {name: {o: a for a in command._actions for o in a.option_strings} for name, command in commands.items()}
+    passes = options["rewrite"]["--passes"].help
+    # the passes rewrite runs when --passes is not given, as its help says
+    assert cli._parse_passes(None, None) == ["mask_logits"] and "default: mask_logits" in passes
+    assert cli._parse_passes(None, ["model.layers.*"]) == ["tap_modules", "mask_logits"]
+    assert "and tap_modules with --tap" in passes and "all" not in passes
+    assert all(name in passes for name in cli.PASSES)
+    # defaults the code applies where argparse leaves None are named in the help
+    assert cli._parse_empty_row("flag") == "flag" and "'flag' (default" in options["rewrite"]["--empty-row"].help
+    assert options["rewrite"]["--logit-mask"].default is None and "packed int32 xgrammar bitmask (default)" in \
+        options["rewrite"]["--logit-mask"].help
+    assert "(default 1: not sharded)" in options["rewrite"]["--tp-degree"].help
+    assert "required|auto|none|NAME" == options["generate"]["--tool-choice"].metavar
+    assert options["localize"]["--atol"].default == 1e-5
+    # the exit statuses the epilog lists are the ones main returns
+    epilog = cli.build_parser().epilog
+    assert f"{cli.EXIT_OK} ok; {cli.EXIT_FAILED} a check failed" in epilog and f"{cli.EXIT_USAGE} bad usage" in epilog
