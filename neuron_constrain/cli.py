@@ -1,22 +1,16 @@
 """``neuron-constrain`` command line: rewrite saved programs (``.pt2``) and guard them in CI.
 
-    neuron-constrain rewrite IN.pt2 -o OUT.pt2 [--logit-mask packed|bool] [--vocab-size N]
-                                              [--empty-row flag|TOKEN] [--tp-degree N] [--passes mask_logits]
-    neuron-constrain show IN.pt2                      # canonical graph text
-    neuron-constrain diff A B                         # .pt2 or canonical text; exit 1 if different
-    neuron-constrain check IN.pt2 [--expect GOLDEN.txt [--update]]
-    neuron-constrain hlo IN.pt2 [-o OUT.hlo.txt]        # HLO text via torch-xla (the mask is a parameter)
-    neuron-constrain localize IN.pt2 --captures CAPTURES [--json OUT.json] [--plot OUT.png]   # exit 1: a culprit
-    neuron-constrain generate --model smollm2 --prompt TEXT [--schema FILE | --regex R | --choice A,B |
-                              --tools FILE --tool-choice required|auto|NAME [--parallel-tool-calls]] [--engine E] [--whitespace W] [--max-tokens N]
-    neuron-constrain demo [--model smollm2|tiny]            # neuron-constrain --version: the package's version
+Commands: rewrite, show, diff, check, hlo, localize, generate, demo; ``build_parser`` declares them
+(docs/gen_cli.py writes the reference page, docs/reference/cli.md, from it). The last two paragraphs
+are the parser's epilog (``--help``):
 
-Exit status: 0 ok, 1 a check failed or the graphs differ, 2 bad usage or unreadable
-input (one line naming the problem; ``--debug`` shows the traceback).
+Exit status: 0 ok; 1 a check failed, the graphs differ, localize found a culprit or generate's
+answer is incomplete or invalid; 2 bad usage, unreadable input or an unexpected error (one line
+naming the problem; --debug shows the traceback); 130 interrupted.
 
-A ``.pt2`` is read with ``neuron_constrain.load``: nothing in it runs, and a file that
-would need pickle (or is malformed) is refused with exit 2, naming the entry;
-``--allow-pickle`` loads a file you trust with ``torch.export.load``.
+A .pt2 is read with neuron_constrain.load: nothing in it runs, and a file that would need
+pickle (or is malformed) is refused with exit 2, naming the entry; --allow-pickle loads a
+file you trust with torch.export.load.
 """
 from __future__ import annotations
 
@@ -300,7 +294,7 @@ def _localize(args: argparse.Namespace) -> int:
             _check_output_dir(path)
     from neuron_constrain.loading import LoadError
     from neuron_constrain.replacement.files import load_captures
-    from neuron_constrain.replacement.localize import LOGITS, load_tapped, localize
+    from neuron_constrain.replacement.localization import LOGITS, load_tapped, localize
 
     progress = _Progress()
     try:
@@ -375,48 +369,51 @@ def _add_allow_pickle(command: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="neuron-constrain",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser = _Parser(prog="neuron-constrain", description=__doc__.split("\n")[0].replace("``", ""),
+                     epilog=__doc__.split("\n\n", 2)[2].strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="on an error, show its traceback instead of one line; keep "
+                        "torch's warnings and log messages")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     rewrite = sub.add_parser("rewrite", help="run the passes on a saved program and save the result")
-    rewrite.add_argument("input", metavar="IN.pt2")
-    rewrite.add_argument("-o", "--output", metavar="OUT.pt2", required=True)
+    rewrite.add_argument("input", metavar="IN.pt2", help="the saved program (torch.export.save)")
+    rewrite.add_argument("-o", "--output", metavar="OUT.pt2", required=True,
+                         help="where to save the rewritten program (a new path in an existing folder)")
     rewrite.add_argument("--logit-mask", choices=("packed", "bool"), default=None,
                          help="mask format: packed int32 xgrammar bitmask (default) or bool")
     rewrite.add_argument("--vocab-size", type=int, default=None,
-                         help="the tokenizer's vocabulary when the lm_head is padded past it")
+                         help="the tokenizer's vocabulary when the lm_head is padded past it: columns past it are "
+                              "never allowed (default: the logits' width)")
     rewrite.add_argument("--empty-row", default=None, metavar="flag|TOKEN",
-                         help="a row that allows nothing: 'flag' (extra output, default) or emit TOKEN")
+                         help="a mask row that allows nothing: 'flag' (default: flagged in an extra output, "
+                              "logit_mask_empty) or TOKEN, the token such a row allows (e.g. the EOS id)")
     rewrite.add_argument("--tp-degree", type=int, default=None, metavar="N",
                          help="the program is one rank's step of a vocab-parallel lm_head sharded N ways: "
-                              "the full mask plus a tp_rank input")
+                              "the full mask plus a tp_rank input (default 1: not sharded)")
     rewrite.add_argument("--tap", action="append", metavar="PATTERN",
                          help="tap the outputs of modules matching PATTERN (e.g. 'model.layers.*.mlp.router', "
-                              "'...router:1' for output 1) so reference tensors can replace them at run time")
+                              "'...router:1' for output 1) so reference tensors can replace them at run time; "
+                              "repeatable")
     rewrite.add_argument("--passes", action="append", metavar="NAME[,NAME]",
-                         help=f"passes to run (default: all); available: {', '.join(PASSES)}")
+                         help=f"passes to run, repeatable or comma-separated: {', '.join(PASSES)} (or their former "
+                              "names; default: mask_logits, and tap_modules with --tap)")
     _add_allow_pickle(rewrite)
     rewrite.set_defaults(func=_rewrite)
 
     show = sub.add_parser("show", help="print the canonical text of a saved program")
-    show.add_argument("input", metavar="IN.pt2")
+    show.add_argument("input", metavar="IN.pt2", help="the saved program")
     _add_allow_pickle(show)
     show.set_defaults(func=_show)
 
     diff = sub.add_parser("diff", help="structural diff of two programs (.pt2 or canonical text)")
-    diff.add_argument("a", metavar="A")
-    diff.add_argument("b", metavar="B")
+    diff.add_argument("a", metavar="A", help="a .pt2, or a canonical text (what show prints)")
+    diff.add_argument("b", metavar="B", help="the other, compared with A")
     _add_allow_pickle(diff)
     diff.set_defaults(func=_diff)
 
     check = sub.add_parser("check", help="verify a rewritten program's invariants (and its golden text)")
-    check.add_argument("input", metavar="IN.pt2")
+    check.add_argument("input", metavar="IN.pt2", help="the rewritten program")
     check.add_argument("--expect", metavar="GOLDEN.txt", help="the canonical text must equal this file")
     check.add_argument("--update", action="store_true", help="write the canonical text to --expect instead")
     check.add_argument("--vocab-size", type=int, default=None,
@@ -425,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check)
 
     hlo = sub.add_parser("hlo", help="lower a saved program to HLO text with torch-xla (on its example inputs)")
-    hlo.add_argument("input", metavar="IN.pt2")
+    hlo.add_argument("input", metavar="IN.pt2", help="the saved program")
     hlo.add_argument("-o", "--output", metavar="OUT.hlo.txt", help="write the HLO here (default: stdout)")
     _add_allow_pickle(hlo)
     hlo.set_defaults(func=_hlo)
@@ -450,8 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--regex", metavar="R", help="the answer matches this regular expression")
     kind.add_argument("--choice", metavar="A,B", help="the answer is one of these comma-separated options")
     kind.add_argument("--tools", metavar="FILE", help="a JSON list of OpenAI tools, rendered into the prompt")
-    generate.add_argument("--tool-choice", metavar="required|auto|NAME", default=None,
-                          help="with --tools: required (a call is enforced), auto (free text, calls parsed) or a tool's name")
+    generate.add_argument("--tool-choice", metavar="required|auto|none|NAME", default=None,
+                          help="with --tools: required (a call is enforced), auto (the default) or none (free text, "
+                               "calls parsed), or a tool's name (a call of it is enforced)")
     generate.add_argument("--parallel-tool-calls", action="store_true",
                           help="with --tool-choice required: allow several calls (default one: SmolLM2 repeats its call)")
     generate.add_argument("--engine", choices=("auto", "xgrammar", "llguidance"), default="auto", help="the grammar engine")
@@ -463,8 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=_generate)
 
     demo = sub.add_parser("demo", help="structured outputs on SmolLM2 (--model tiny: the passes on random-weight decoders)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    demo.add_argument("--seed", type=int, default=0, help="the random weights and inputs of --model tiny")
+    demo.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
+                      help="smollm2: structured outputs on SmolLM2; tiny: the passes on random-weight decoders")
     _add_compile(demo)
     demo.set_defaults(func=_demo)
     return parser

@@ -103,7 +103,7 @@ def run_localize_demo(seed: int = 0, plot_path: str | None = None) -> bool:
 
     from neuron_constrain import Tap
     from neuron_constrain.replacement import localize, reference_captures
-    from neuron_constrain.replacement.localize import default_taps
+    from neuron_constrain.replacement.localization import default_taps
     from neuron_constrain.testing import LogitsStep
 
     print("\n== localize: the first diverging module of a GPT-OSS with one perturbed layer")

@@ -103,6 +103,12 @@ class SplitReport(PassReport):
     rebuilt: list[str]  # input-free code and sizes recomputed in the head instead of shipped
 
     def summary(self) -> str:
+        """The split as text.
+
+        Returns:
+            The body's and head's sizes, then the cut values, the head's inputs, its state and the notes,
+            one a line.
+        """
         lines = [f"split: body {self.body_ops} ops | head {self.head_ops} ops, {self.head_bytes_in} bytes in per call"]
         lines += [f"  cut    {c['name']}: {c['dtype']}{list(c['shape'])}" for c in self.cut]
         lines += [f"  input  {name}" for name in self.head_inputs]

@@ -211,7 +211,14 @@ def keyword_inputs(program: ExportedProgram) -> set[str]:
 
 
 def canonical_text(program: ExportedProgram) -> str:
-    """The canonical text of ``program`` (see the module docstring)."""
+    """The canonical text of a program (see the module docstring): what ``neuron-constrain show`` prints.
+
+    Args:
+        program: the exported program.
+
+    Returns:
+        The text, one record a line under its header.
+    """
     return _Renderer(program).render()
 
 
@@ -236,6 +243,16 @@ class Record:
 
 @dataclasses.dataclass
 class CanonicalGraph:
+    """A canonical text read back (:func:`parse_canonical`): its records by section.
+
+    Attributes:
+        symbols: the ``symbols`` lines (``s0: [0, int_oo]``).
+        inputs: the inputs' records.
+        outputs: the outputs' records.
+        nodes: the call nodes' records, each with its module.
+        text: the text it was read from.
+    """
+
     symbols: list[str]
     inputs: list[Record]
     outputs: list[Record]
@@ -248,11 +265,29 @@ _SECTIONS = ("symbols", "inputs", "outputs", "nodes")
 
 
 def is_canonical_text(head: bytes) -> bool:
+    """Whether a file's first bytes are a canonical text's header (``neuron-constrain diff`` takes either).
+
+    Args:
+        head: the file's first bytes.
+
+    Returns:
+        True where they start with the header line.
+    """
     return head.startswith(HEADER.encode())
 
 
 def parse_canonical(text: str) -> CanonicalGraph:
-    """Records of a canonical text; ``ValueError`` naming the first bad line."""
+    """Read a canonical text back into its records (a golden file, what ``diff`` compares).
+
+    Args:
+        text: a text :func:`canonical_text` wrote.
+
+    Returns:
+        Its symbols, inputs, outputs and nodes.
+
+    Raises:
+        ValueError: the header is missing, or a line is malformed (the first bad line is named).
+    """
     lines = text.splitlines()
     if not lines or lines[0] != HEADER:
         raise ValueError(f"not a canonical graph text: the first line must be {HEADER!r}")

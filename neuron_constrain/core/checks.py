@@ -40,7 +40,14 @@ class CheckError(TransformError):
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: one per site
 class Site:
-    """A place a token is chosen from logits (or a logits output, when nothing samples them)."""
+    """A place a token is chosen from logits (or a logits output, when nothing samples them).
+
+    Attributes:
+        node: the sampling op, or the output value.
+        kind: ``"argmax"``, ``"topk"``, ... or ``"logits output"``.
+        logits: the value it reads.
+        root: the vocabulary projection that value is computed from.
+    """
 
     node: torch.fx.Node  # the sampling op, or the output value
     kind: str  # "argmax", "topk", ... or "logits output"
@@ -48,6 +55,11 @@ class Site:
     root: torch.fx.Node  # the vocabulary projection it reads from
 
     def describe(self) -> str:
+        """The site in words, for messages.
+
+        Returns:
+            ``sampling site argmax (argmax) in model.lm_head``: its node, kind and module.
+        """
         where = module_path(self.node) or "<root>"
         return f"sampling site {self.node.name} ({self.kind}) in {where}"
 
@@ -59,7 +71,14 @@ def find_sites(program) -> list[Site]:
     logits outputs it reaches. A projection multiplies the hidden state by a weight
     (:func:`neuron_constrain.core.sites.projections`): attention scores over a KV cache are
     as wide as the cache and feed a softmax, but no weight makes them, so that softmax
-    is no site."""
+    is no site.
+
+    Args:
+        program: an exported program.
+
+    Returns:
+        The sites in graph order, then the logits outputs of the last projection when nothing samples it.
+    """
     graph = program.graph
     found = projections(graph, weights=weight_names(program))  # graph order
     roots = set(found)
@@ -113,7 +132,14 @@ def _last_dim(node):
 
 
 def mask_inputs(program) -> dict[str, torch.fx.Node]:
-    """The program's logit-mask inputs by name (``logit_mask``, ``logit_mask_1``, ...)."""
+    """The program's logit-mask inputs.
+
+    Args:
+        program: an exported program.
+
+    Returns:
+        Input name (``logit_mask``, ``logit_mask_1``, ...) -> its placeholder node.
+    """
     names = set(user_input_names(program))
     return {
         n.name: n for n in program.graph.nodes
@@ -128,7 +154,18 @@ def check_program(program, vocab_size: int | None = None, *, numeric: bool = Tru
     logits that depend on a mask input, of a dtype and width that fit; with
     ``numeric`` the program also runs on its example inputs with a mask allowing one
     random token per row, and every site must see ``-inf`` (or probability 0) at every
-    other column. ``vocab_size`` is the main head's tokenizer vocabulary.
+    other column. A taps-only rewrite is checked for its taps alone.
+
+    Args:
+        program: a rewritten program.
+        vocab_size: the main head's tokenizer vocabulary: its mask's width is checked exactly against it.
+        numeric: also run the program on its example inputs (not for one rank's shard of the logits).
+
+    Returns:
+        The failures, one sentence each naming the site or input and the fix; empty when all hold.
+
+    Raises:
+        CheckError: the program has no logits, or none ``vocab_size`` wide (the check cannot judge it).
     """
     failures: list[str] = []
     try:
@@ -289,7 +326,14 @@ _SIZE_ONLY = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, tor
 
 def check_taps(program) -> list[str]:
     """Every tap input pair feeds a ``where(enabled, replacement, computed)`` that all
-    readers of the computed value go through (capture outputs excepted)."""
+    readers of the computed value go through (capture outputs and size reads excepted).
+
+    Args:
+        program: an exported program (one without taps has no failures).
+
+    Returns:
+        The failures, one sentence each; empty when every tap holds.
+    """
     user_inputs = user_input_names(program)
     nodes = {n.name: n for n in program.graph.nodes}
     failures = []
@@ -322,6 +366,15 @@ def check_taps(program) -> list[str]:
 
 
 def depends_on(node, source) -> bool:
+    """Whether a graph value is computed from another.
+
+    Args:
+        node: the value (an fx node).
+        source: the node it may depend on.
+
+    Returns:
+        True where ``source`` is ``node`` or among its inputs, transitively.
+    """
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -401,8 +454,21 @@ CONDITIONS = {
 
 
 def check_contract(program, contract: PassContract, stage: str) -> list[str]:
-    """The failures of the conditions ``contract`` declares for ``stage`` ("requires":
-    before the pass, "ensures": after it) on ``program``; empty when all hold."""
+    """Check the conditions a pass's contract declares for one stage.
+
+    Args:
+        program: the program the pass gets (``"requires"``) or returns (``"ensures"``).
+        contract: the pass's contract; its conditions name functions of :data:`CONDITIONS`.
+        stage: ``"requires"`` or ``"ensures"``.
+
+    Returns:
+        The failures, each prefixed with the pass, the stage and the condition; empty when all hold.
+
+    Raises:
+        ValueError: another stage.
+        CheckError: a condition that cannot judge the program (``every_site_masked`` on a program
+            without logits).
+    """
     if stage not in ("requires", "ensures"):
         raise ValueError(f"stage={stage!r}: use 'requires' or 'ensures'")
     failures = []

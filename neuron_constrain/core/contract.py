@@ -27,8 +27,17 @@ __all__ = ["PassContract", "PassResult", "declares"]
 
 @dataclasses.dataclass(frozen=True)
 class PassContract:
-    """``switch``: the option whose ``None`` leaves the pass out of a run. ``after`` /
-    ``before``: names of passes this one runs after / before when both are in a list."""
+    """What a pass declares about itself.
+
+    Attributes:
+        name: its one name: the file ``passes/<name>_pass.py``, the function ``<name>_pass``, its report's key.
+        options: the keyword options it takes (the pass manager hands it those).
+        switch: the option whose ``None`` leaves the pass out of a run.
+        requires: conditions of ``checks.CONDITIONS`` the program it gets must meet.
+        ensures: conditions the program it returns meets.
+        after: passes this one runs after when both are in a list.
+        before: passes this one runs before when both are in a list.
+    """
 
     name: str
     options: tuple[str, ...] = ()
@@ -50,7 +59,15 @@ class PassResult:
 
 
 def declares(contract: PassContract) -> Callable:
-    """Attach ``contract`` to the pass function it decorates (``fn.contract``), named ``<name>_pass``."""
+    """A decorator attaching a contract to the pass function it decorates (``fn.contract``).
+
+    Args:
+        contract: the pass's declaration.
+
+    Returns:
+        The decorator; it returns the function itself, and raises ``TypeError`` when the function is not
+        named ``<contract.name>_pass``.
+    """
 
     def mark(fn: Callable) -> Callable:
         if fn.__name__ != f"{contract.name}_pass":

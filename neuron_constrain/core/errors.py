@@ -2,6 +2,8 @@
 error the library raises on purpose (``except neuron_constrain.Error`` catches each; each
 also keeps its builtin base, ``ValueError``, ``TimeoutError``..., where callers rely on it)."""
 
+__all__ = ["EmptyMaskRowError", "Error", "InputError", "PassError", "TransformError"]
+
 
 class Error(Exception):
     """Base of every error neuron-constrain raises on purpose."""

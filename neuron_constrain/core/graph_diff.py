@@ -23,6 +23,22 @@ _REF = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*?)_(\d+)\b")
 
 @dataclasses.dataclass
 class GraphDiff:
+    """What changed from one graph to another (:func:`diff_graphs`); ``b``'s nodes renamed to ``a``'s.
+
+    Attributes:
+        inputs_added: inputs only ``b`` has (by name).
+        inputs_removed: inputs only ``a`` has.
+        inputs_changed: ``(a's, b's)`` inputs of one name whose lines differ.
+        outputs_added: outputs past the end of ``a``'s (outputs are positional).
+        outputs_removed: outputs past the end of ``b``'s.
+        outputs_changed: ``(a's, b's)`` outputs at one position whose lines differ.
+        nodes_added: nodes of ``b`` matched to none of ``a``.
+        nodes_removed: nodes of ``a`` matched to none of ``b``.
+        nodes_changed: ``(a's, b's)`` matched nodes whose line or module differs.
+        symbols_changed: the symbol lines differ.
+        unified: a unified diff of the two texts (after the renaming), line by line.
+    """
+
     inputs_added: list[Record] = dataclasses.field(default_factory=list)
     inputs_removed: list[Record] = dataclasses.field(default_factory=list)
     inputs_changed: list[tuple[Record, Record]] = dataclasses.field(default_factory=list)
@@ -37,6 +53,7 @@ class GraphDiff:
 
     @property
     def equal(self) -> bool:
+        """Whether nothing but node numbering differs (the unified diff is not consulted)."""
         return not (
             self.inputs_added or self.inputs_removed or self.inputs_changed
             or self.outputs_added or self.outputs_removed or self.outputs_changed
@@ -44,6 +61,16 @@ class GraphDiff:
         )
 
     def render(self, name_a: str, name_b: str) -> str:
+        """The diff as text (what ``neuron-constrain diff`` prints).
+
+        Args:
+            name_a: what to call the first graph.
+            name_b: what to call the second.
+
+        Returns:
+            ``"A and B: same graph"``, or the inputs', outputs' and nodes' changes (nodes grouped by module),
+            then the unified diff.
+        """
         if self.equal:
             return f"{name_a} and {name_b}: same graph\n"
         out = [f"--- {name_a}", f"+++ {name_b}"]
@@ -88,7 +115,18 @@ def _keyed(records: list[Record]) -> dict[str, Record]:
 
 
 def diff_graphs(a: CanonicalGraph, b: CanonicalGraph, name_a: str = "a", name_b: str = "b") -> GraphDiff:
-    """Structural diff: inputs/outputs by name, nodes aligned by op, module and type."""
+    """Structural diff of two canonical graphs: inputs by name, outputs by position, nodes aligned by op,
+    module and type (a renumbering is no change).
+
+    Args:
+        a: the first graph (:func:`~neuron_constrain.core.canonical.parse_canonical`).
+        b: the second.
+        name_a: the first's name in the unified diff.
+        name_b: the second's.
+
+    Returns:
+        What was added, removed and changed.
+    """
     result = GraphDiff()
     result.symbols_changed = a.symbols != b.symbols
 

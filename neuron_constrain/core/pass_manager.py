@@ -57,8 +57,19 @@ def _contract(run: Callable) -> PassContract:
 
 
 def order_passes(passes: Sequence[Callable]) -> list[Callable]:
-    """``passes`` in an order every contract's ``after`` / ``before`` allows; among passes
-    free to run, the one listed first runs first."""
+    """Passes in an order every contract's ``after`` / ``before`` allows; among passes free to run, the one
+    listed first runs first.
+
+    Args:
+        passes: pass functions, each declared with ``@declares``.
+
+    Returns:
+        The same passes, ordered.
+
+    Raises:
+        TransformError: a pass without a contract, or naming a condition ``checks.CONDITIONS`` lacks; a pass
+            listed twice; contracts that order the passes in a cycle.
+    """
     by_name: dict[str, Callable] = {}
     for run in passes:
         name = _contract(run).name
@@ -86,13 +97,37 @@ def order_passes(passes: Sequence[Callable]) -> list[Callable]:
 
 
 class PassManager:
-    """Runs ``passes`` in their declared order; ``check``: check each contract around its pass."""
+    """Runs passes in their declared order (:func:`order_passes`).
+
+    Args:
+        passes: pass functions, each declared with ``@declares``.
+        check: check each pass's ``requires`` before it and ``ensures`` after it.
+
+    Raises:
+        TransformError: as :func:`order_passes` raises it.
+    """
 
     def __init__(self, passes: Sequence[Callable], *, check: bool = True):
         self.passes = order_passes(passes)
         self.check = check
 
     def run(self, program: ExportedProgram, **options) -> RunResult:
+        """Run the passes, each on the program the one before it returned.
+
+        Args:
+            program: the program the first pass gets.
+            **options: the passes' options, each handed to the passes whose contract names it; a pass whose
+                ``switch`` option is given as None is left out.
+
+        Returns:
+            The last program, every pass's report in the order they ran, and the programs passes made beside
+            theirs.
+
+        Raises:
+            TransformError: an option none of the passes takes.
+            PassError: a pass raised (its error chained), returned something else than a ``PassResult``, or
+                broke a condition its contract names; the message names the pass and the passes before it.
+        """
         declared = {option for run in self.passes for option in run.contract.options}
         unknown = sorted(set(options) - declared)
         if unknown:

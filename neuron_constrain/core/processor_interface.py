@@ -94,13 +94,40 @@ class LogitsProcessor:
     inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...], Any]] = {}
 
     def apply(self, logits: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        """The processor's math, traced into the graph after the mask (a subclass defines it).
+
+        Args:
+            logits: the masked logits ``[rows, V]``.
+            **inputs: each key of :attr:`inputs`, a tensor ``[rows, *per-row shape]``.
+
+        Returns:
+            The processed logits, of the same shape.
+
+        Raises:
+            NotImplementedError: the subclass did not define it.
+        """
         raise NotImplementedError
 
     def row(self, params: RequestParams) -> Mapping[str, Any] | None:
+        """One request's values of the processor's inputs, on the host (a subclass defines it).
+
+        Args:
+            params: the request's parameters (its own under ``params.extra``).
+
+        Returns:
+            Key -> value for this request, or None for the neutral fills (the default: the processor is off).
+        """
         return None
 
     def input_name(self, key: str) -> str:
-        """The graph input that feeds ``inputs[key]``: ``<name>_<key>``."""
+        """The graph input that feeds one of :attr:`inputs`.
+
+        Args:
+            key: a key of :attr:`inputs`.
+
+        Returns:
+            ``<name>_<key>``.
+        """
         return f"{self.name}_{key}"
 
 
@@ -329,8 +356,15 @@ class Thinking:
         return hash((self.start, self.end))
 
     def after(self, prompt: Sequence[int]) -> Thought:
-        """The state after ``prompt``: inside a thought when its last start marker comes after
-        its last end marker, with the tokens after that start counted."""
+        """The state after a prompt: inside a thought when its last start marker comes after its last end
+        marker, with the tokens after that start counted.
+
+        Args:
+            prompt: the prompt's token ids.
+
+        Returns:
+            The state the output starts from.
+        """
         prompt = list(prompt)
         opened, closed = _last(prompt, self.start), _last(prompt, self.end)
         tail = tuple(prompt[-self._keep:])
@@ -339,7 +373,16 @@ class Thinking:
         return Thought(False, 0, 0, tail)
 
     def advance(self, state: Thought, token: int, budget: int | None) -> Thought:
-        """The state after one more ``token`` (``budget``: the request's, or ``None``)."""
+        """The state after one more token.
+
+        Args:
+            state: the state before it.
+            token: the token.
+            budget: the request's thinking budget, or None.
+
+        Returns:
+            The new state (the one given is unchanged).
+        """
         tail = (state.tail + (token,))[-self._keep:]
         if not state.inside:
             return Thought(True, 0, 0, tail) if tail[-len(self.start):] == self.start else Thought(False, 0, 0, tail)
@@ -351,14 +394,30 @@ class Thinking:
         return Thought(True, state.count + 1, forced, tail)
 
     def forced(self, state: Thought, budget: int | None) -> int | None:
-        """The token the budget forces next, or ``None``."""
+        """The token the budget forces next.
+
+        Args:
+            state: the sequence's state.
+            budget: the request's thinking budget, or None.
+
+        Returns:
+            The end marker's next token once the budget is spent inside a thought, else None.
+        """
         if budget is None or not state.inside or state.count < budget:
             return None
         return self.end[min(state.forced, len(self.end) - 1)]
 
     def row(self, state: Thought, budget: int) -> tuple[int, int]:
-        """``(thinking_budget_left, thinking_end_id)`` for a row in ``state``: the graph forces
-        ``end_id`` where ``left <= 0``; outside a thought ``(0, -1)``, neutral."""
+        """The thinking-budget processor's inputs for a row.
+
+        Args:
+            state: the row's state.
+            budget: the request's thinking budget.
+
+        Returns:
+            ``(thinking_budget_left, thinking_end_id)``: the graph forces ``end_id`` where ``left <= 0``;
+            outside a thought ``(0, -1)``, neutral.
+        """
         if not state.inside:
             return 0, -1
         return min(budget - state.count, 2**31 - 1), self.end[min(state.forced, len(self.end) - 1)]

@@ -51,18 +51,41 @@ OUTPUT_TAG = "neuron_constrain_output"  # node.meta["custom"][OUTPUT_TAG]: the a
 
 
 def user_input_names(program: ExportedProgram) -> list[str]:
+    """The names of a program's user inputs (not parameters, buffers or constants).
+
+    Args:
+        program: an exported program.
+
+    Returns:
+        The names, in the signature's order.
+    """
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
 def user_outputs(graph: torch.fx.Graph, signature: ExportGraphSignature) -> list:
-    """The output values of ``graph`` that are user outputs (not buffer mutations), in order."""
+    """The output values of a graph that are user outputs (not buffer mutations).
+
+    Args:
+        graph: the program's graph (or a copy of it).
+        signature: the program's graph signature, which says which outputs are user outputs.
+
+    Returns:
+        The output values, in order (nodes, or constants a program returns).
+    """
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     return [o for o, s in zip(output.args[0], signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
 
 
 def wheres_fed_by(source: torch.fx.Node) -> list[torch.fx.Node]:
-    """The ``where`` nodes ``source`` reaches through non-``where`` nodes (a tap's enable
-    flag: its own select), found without walking the whole graph."""
+    """The ``where`` nodes a value reaches through non-``where`` nodes (a tap's enable flag: its own
+    select), found without walking the whole graph.
+
+    Args:
+        source: the node to start from.
+
+    Returns:
+        The ``aten.where.self`` nodes reached, in the order found.
+    """
     found, seen, stack = [], set(), [source]
     while stack:
         for user in stack.pop().users:
@@ -74,7 +97,16 @@ def wheres_fed_by(source: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def refuse_if_present(program: ExportedProgram, names, *, pass_name: str) -> None:
-    """Raise when ``program`` already has one of the user inputs ``names`` (the pass ran already)."""
+    """Refuse a program a pass was applied to already (it has one of the inputs the pass adds).
+
+    Args:
+        program: the program the pass got.
+        names: the user inputs the pass adds.
+        pass_name: the pass, for the message.
+
+    Raises:
+        TransformError: the program has one of ``names``.
+    """
     present = sorted(set(names) & set(user_input_names(program)))
     if present:
         raise TransformError(
@@ -84,7 +116,14 @@ def refuse_if_present(program: ExportedProgram, names, *, pass_name: str) -> Non
 
 
 class ProgramEditor:
-    """A mutable copy of an ``ExportedProgram``'s graph; ``build()`` makes the new program."""
+    """A mutable copy of an ``ExportedProgram``'s graph; ``build()`` makes the new program.
+
+    Args:
+        program: the program to edit; it is left untouched.
+
+    Raises:
+        ValueError: its placeholders carry no fake tensors (``meta["val"]``).
+    """
 
     def __init__(self, program: ExportedProgram):
         self.program = program
@@ -105,19 +144,32 @@ class ProgramEditor:
     # ------------------------------------------------------------------ queries
     @property
     def output_node(self) -> torch.fx.Node:
+        """The graph's output node."""
         return next(n for n in reversed(self.graph.nodes) if n.op == "output")
 
     def user_output_nodes(self) -> list[torch.fx.Node | None]:
-        """The graph's user outputs (not buffer mutations), in output order."""
+        """The graph's user outputs (not buffer mutations).
+
+        Returns:
+            The output values, in output order (those added by this editor not among them).
+        """
         return user_outputs(self.graph, self.program.graph_signature)
 
     # ------------------------------------------------------------------ edits
     def add_input(self, name: str, val: torch.Tensor, example: torch.Tensor) -> torch.fx.Node:
         """A new user input, placed after the last placeholder, fed as keyword ``name``.
 
-        ``val`` is a fake tensor made in :attr:`fake_mode` (reuse the program's
-        symbolic sizes to keep them dynamic); ``example`` a real tensor for
-        ``example_inputs``.
+        Args:
+            name: the input's name (the keyword callers pass it as).
+            val: a fake tensor made in :attr:`fake_mode` (reuse the program's symbolic sizes to keep them
+                dynamic).
+            example: a real tensor for the program's ``example_inputs``.
+
+        Returns:
+            The new placeholder node.
+
+        Raises:
+            ValueError: a node or input of the program has that name already, or FX would rename it.
         """
         taken = {n.name for n in self.graph.nodes} | set(user_input_names(self.program))
         if name in taken:
@@ -132,26 +184,60 @@ class ProgramEditor:
         return node
 
     def add_tensor_input(self, name: str, shape: Sequence, dtype: torch.dtype, fill, device=None) -> torch.fx.Node:
-        """:meth:`add_input` for a tensor of ``shape`` (ints and the program's SymInts);
-        its example is filled with ``fill`` at the sizes the program was exported with."""
+        """:meth:`add_input` for a tensor of a shape; its example is filled with ``fill`` at the sizes the
+        program was exported with.
+
+        Args:
+            name: the input's name.
+            shape: ints and the program's SymInts.
+            dtype: the input's dtype.
+            fill: the example's value.
+            device: the fake tensor's device (default: the fake mode's).
+
+        Returns:
+            The new placeholder node.
+
+        Raises:
+            ValueError: a node or input of the program has that name already.
+        """
         val = self.fake(lambda: torch.empty(tuple(shape), dtype=dtype, device=device))
         hints = tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in shape)
         return self.add_input(name, val, torch.full(hints, fill, dtype=dtype))
 
     def find_output(self, name: str) -> torch.fx.Node | None:
-        """The output a pass added as ``name`` (this editor's, or an earlier pass's), or None."""
+        """The output a pass added under a name (this editor's, or an earlier pass's).
+
+        Args:
+            name: the name it was added as (``logit_mask_empty``).
+
+        Returns:
+            Its node, or None.
+        """
         for node in [*self.user_output_nodes(), *self._new_outputs]:
             if isinstance(node, torch.fx.Node) and node.meta.get("custom", {}).get(OUTPUT_TAG) == name:
                 return node
         return None
 
     def add_output(self, node: torch.fx.Node, name: str) -> None:
-        """Append ``node`` as a new user output (after the original outputs), tagged ``name``."""
+        """Append a node as a new user output (after the original outputs), tagged with its name.
+
+        Args:
+            node: the value to return.
+            name: what :meth:`find_output` finds it by (kept in the saved program).
+        """
         self._tag(node, name)
         self._new_outputs.append(node)
 
     def replace_output(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
-        """Return ``new`` where the program returned ``old`` (an added output keeps its tag)."""
+        """Return one value where the program returned another (an added output keeps its tag).
+
+        Args:
+            old: an output of the program, or one this editor added.
+            new: the value to return instead.
+
+        Raises:
+            ValueError: ``old`` is not an output.
+        """
         name = old.meta.get("custom", {}).get(OUTPUT_TAG)
         if name is not None:
             self._tag(new, name)
@@ -163,19 +249,16 @@ class ProgramEditor:
             raise ValueError(f"{old.name} is not an output of the program")
         output.args = (tuple(new if o is old else o for o in output.args[0]),)
 
-    def replace_uses(
-        self,
-        value: torch.fx.Node,
-        new: torch.fx.Node,
-        *,
-        users: Sequence[torch.fx.Node] | None = None,
-        keep_output: bool = False,
-    ) -> None:
-        """Make readers of ``value`` read ``new``.
+    def replace_uses(self, value: torch.fx.Node, new: torch.fx.Node, *, users: Sequence[torch.fx.Node] | None = None,
+                     keep_output: bool = False) -> None:
+        """Make readers of a value read another.
 
-        ``users``: exactly these readers; default every reader except the code this
-        editor inserted (which includes ``new``'s own computation). ``keep_output``:
-        the graph's output keeps returning ``value`` (e.g. raw logits for logprobs).
+        Args:
+            value: the value read now.
+            new: what they read instead (nothing changes when it is ``value``).
+            users: exactly these readers; default every reader except the code this editor inserted
+                (which includes ``new``'s own computation).
+            keep_output: the graph's output keeps returning ``value`` (e.g. raw logits for logprobs).
         """
         if new is value:
             return
@@ -195,15 +278,32 @@ class ProgramEditor:
         node.meta["custom"] = {**node.meta.get("custom", {}), OUTPUT_TAG: name}
 
     def fake(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``fn`` inside the program's fake mode (to build a new input's ``val``)."""
+        """Run a function inside the program's fake mode (to build a new input's ``val``).
+
+        Args:
+            fn: makes the tensor.
+
+        Returns:
+            What ``fn`` returned: a fake tensor sharing the program's symbolic sizes.
+        """
         with self.fake_mode:
             return fn()
 
     def splice(self, fn: Callable, args: Sequence[torch.fx.Node], *, near: torch.fx.Node, prefix: str):
-        """Trace ``fn(*tensors)`` to aten and insert it right after the last of ``args``.
+        """Trace a torch function to aten on the program's fake tensors and insert it right after the last
+        of its arguments.
 
-        Inserted nodes are named ``{prefix}_{op}`` and carry ``near``'s module
-        stack and stack trace. Returns the node (or tuple of nodes) ``fn`` returned.
+        Args:
+            fn: a plain torch function of tensors; it must not branch on the program's dynamic sizes.
+            args: the nodes whose values it takes.
+            near: the node whose module stack and stack trace the inserted nodes carry.
+            prefix: the inserted nodes are named ``{prefix}_{op}``.
+
+        Returns:
+            The node (or tuple of nodes) ``fn`` returned.
+
+        Raises:
+            RuntimeError: tracing ``fn`` specialised a dynamic size of the program (a bug of the kernel).
         """
         vals = [a.meta["val"] for a in args]
         shape_env = self.fake_mode.shape_env
@@ -241,6 +341,11 @@ class ProgramEditor:
 
     # ------------------------------------------------------------------ build
     def build(self) -> ExportedProgram:
+        """The edited program: the added inputs and outputs in its signature, call specs and example inputs.
+
+        Returns:
+            A new ``ExportedProgram`` sharing the original's weights and constants.
+        """
         old = self.program
         output = self.output_node
         if self._new_outputs:
@@ -311,26 +416,27 @@ class ProgramEditor:
 
     # ------------------------------------------------------------------ a part of a program
     @staticmethod
-    def subprogram(
-        program: ExportedProgram,
-        graph: torch.fx.Graph,
-        *,
-        state: Sequence[str],
-        user_inputs: Sequence[str],
-        outputs: Sequence,
-        in_spec,
-        out_spec,
-        arg_names: list[str] | None,
-        example_inputs,
-        mutations: Sequence[OutputSpec] = (),
-        keep_module_calls: bool = False,
-    ) -> ExportedProgram:
-        """A new program running ``graph`` (made of ``program``'s nodes): its inputs are the
-        placeholders ``state`` (parameters, buffers and constants of ``program``, whose
-        values it holds) then ``user_inputs``; its outputs the buffer ``mutations`` then
-        ``outputs`` (node names, or a constant output's argument). ``in_spec`` / ``out_spec``
-        / ``arg_names`` make its call signature; ``keep_module_calls`` keeps ``program``'s
-        module call entries whose values ``graph`` still has."""
+    def subprogram(program: ExportedProgram, graph: torch.fx.Graph, *, state: Sequence[str], user_inputs: Sequence[str],
+                   outputs: Sequence, in_spec, out_spec, arg_names: list[str] | None, example_inputs,
+                   mutations: Sequence[OutputSpec] = (), keep_module_calls: bool = False) -> ExportedProgram:
+        """A new program running a graph made of another program's nodes (a part of it: the split).
+
+        Args:
+            program: the program the graph's nodes come from.
+            graph: the part's graph.
+            state: its first placeholders: parameters, buffers and constants of ``program``, whose values it holds.
+            user_inputs: its user inputs' placeholders, after ``state``.
+            outputs: its user outputs: node names, or a constant output's argument.
+            in_spec: the pytree spec of its call's inputs.
+            out_spec: the pytree spec of its outputs.
+            arg_names: its forward's argument names.
+            example_inputs: its ``example_inputs``.
+            mutations: buffer mutation outputs, before ``outputs``.
+            keep_module_calls: keep ``program``'s module call entries whose values ``graph`` still has.
+
+        Returns:
+            The program.
+        """
         spec_of = {s.arg.name: s for s in program.graph_signature.input_specs if isinstance(s.arg, TensorArgument)}
         arguments = [TensorArgument(name=o) if isinstance(o, str) else o for o in outputs]
         input_specs = [spec_of[name] for name in state] + [

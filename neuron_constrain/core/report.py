@@ -11,7 +11,14 @@ __all__ = ["FORMER_NAMES", "AddedInput", "PassReport", "TransformReport", "evalu
 
 
 def symbolic_shape(shape) -> tuple:
-    """A fake tensor's shape as ints and sympy expressions (what :class:`AddedInput` stores)."""
+    """A fake tensor's shape as ints and sympy expressions (what :class:`AddedInput` stores).
+
+    Args:
+        shape: the shape, ints and ``SymInt`` sizes.
+
+    Returns:
+        Each size as an int, or as the sympy expression of its ``SymInt``.
+    """
     return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in shape)
 
 
@@ -44,10 +51,19 @@ def _fold(fn, parts):
 
 
 def evaluate_dim(dim: int | sympy.Expr, bindings: dict) -> Any:
-    """A program dimension (int or sympy expression over input sizes) for concrete inputs.
+    """A program dimension (int or sympy expression over input sizes) for concrete inputs. Sums, products,
+    floor division, modulo, min and max are understood.
 
-    ``bindings`` maps symbols to ints (or to SymInts while being traced again).
-    Sums, products, floor division, modulo, min and max are understood.
+    Args:
+        dim: an int or a sympy expression over the program's symbols.
+        bindings: symbol -> its int (or its SymInt while being traced again).
+
+    Returns:
+        The size.
+
+    Raises:
+        ValueError: a symbol ``bindings`` does not hold (no input has that size), or an expression of
+            another kind.
     """
     if isinstance(dim, int):
         return dim
@@ -64,7 +80,15 @@ def evaluate_dim(dim: int | sympy.Expr, bindings: dict) -> Any:
 
 
 def unsizable(shape, symbols: set) -> str | None:
-    """Why :func:`evaluate_dim` could not size ``shape`` from ``symbols``, or None."""
+    """Why :func:`evaluate_dim` could not size ``shape`` from ``symbols``.
+
+    Args:
+        shape: ints and sympy expressions (an :class:`AddedInput`'s).
+        symbols: the symbols whose sizes the caller's inputs give.
+
+    Returns:
+        The reason in words, or None where every size can be computed.
+    """
     for dim in shape:
         if isinstance(dim, int) or isinstance(dim, sympy.Integer):
             continue
@@ -100,9 +124,25 @@ class AddedInput:
     vocab_size: int | None = None  # a logit mask's vocabulary (for messages about its width and format)
 
     def shape_for(self, bindings: dict) -> tuple:
+        """The input's concrete shape for one call.
+
+        Args:
+            bindings: symbol -> its size in this call (:func:`evaluate_dim`).
+
+        Returns:
+            The sizes.
+
+        Raises:
+            ValueError: a size :func:`evaluate_dim` cannot compute from ``bindings``.
+        """
         return tuple(evaluate_dim(d, bindings) for d in self.shape)
 
     def describe(self) -> str:
+        """The input in one line.
+
+        Returns:
+            Its name, dtype and shape: ``logit_mask: int32[s0, 32]``.
+        """
         dims = ", ".join(str(d) for d in self.shape)
         return f"{self.name}: {str(self.dtype).replace('torch.', '')}[{dims}]"
 
@@ -128,6 +168,11 @@ class PassReport:
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
+        """The report as text (what ``neuron-constrain rewrite`` prints).
+
+        Returns:
+            A line of counts, then its sites, inputs, outputs and notes, one a line.
+        """
         lines = [f"{self.name}: {len(self.sites)} site(s), {self.nodes_inserted} node(s) inserted"]
         lines += [f"  site {s['node']} ({s['kind']}) in {s['module'] or '<root>'}" for s in self.sites]
         lines += [f"  input  {i.describe()}" for i in self.inputs_added]
@@ -160,8 +205,14 @@ class TransformReport:
 
     @property
     def inputs_added(self) -> list[AddedInput]:
+        """Every pass's added inputs, in the order the passes ran."""
         return [i for r in self.passes.values() for i in r.inputs_added]
 
     def summary(self) -> str:
+        """The whole transform as text.
+
+        Returns:
+            The export and pass times, then each pass's :meth:`PassReport.summary`.
+        """
         head = f"export {self.export_seconds:.2f}s, passes {self.transform_seconds:.2f}s"
         return "\n".join([head] + [r.summary() for r in self.passes.values()])

@@ -89,7 +89,11 @@ def active_context(ctx: Mapping | None):
 
 @contextlib.contextmanager
 def recording_captures():
-    """Collect, per call of a ``Transformed`` model, the values its capture taps computed."""
+    """Collect, per call of a ``Transformed`` model, the values its capture taps computed.
+
+    Yields:
+        A list that gets, for each call inside the block, ``{capture output name: tensor}``.
+    """
     calls: list[dict[str, torch.Tensor]] = []
     _state.recorders.append(calls)
     try:

@@ -58,10 +58,16 @@ class Tap:
 
     @property
     def module_pattern(self) -> str:
+        """The pattern without its ``:N`` output selector."""
         return self.pattern.split(":", 1)[0]
 
     @property
     def selector(self) -> int | None:
+        """The output index after ``:`` (None without one).
+
+        Raises:
+            TransformError: the text after ``:`` is not an output index.
+        """
         if ":" not in self.pattern:
             return None
         text = self.pattern.split(":", 1)[1]

@@ -178,6 +178,21 @@ class Transformed(torch.nn.Module):
         return kwargs
 
     def forward(self, *args, **kwargs):
+        """Run the program (what calling the model does).
+
+        Args:
+            *args: the original program's inputs.
+            **kwargs: its keyword inputs and the added ones (``logit_mask=``, processor inputs...); an added
+                input left out is fed its neutral value.
+
+        Returns:
+            The original program's outputs (the added outputs, such as the empty-row flags, taken off).
+
+        Raises:
+            InputError: an input the program does not take, or a mask of the wrong dtype, shape or width.
+            EmptyMaskRowError: a mask row allows no token (``empty_row="flag"``); :meth:`run` returns the
+                flags instead.
+        """
         if not _tracing():
             args, kwargs = self._arrange(args, kwargs)
         kwargs = self._with_added_inputs(args, kwargs)

@@ -51,7 +51,18 @@ AUTO = "auto"  # "inductor" where every package is already built, else the eager
 
 def share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
     """Make every program read and write the first one's cache tensors: in its state dict
-    (what split halves and ``program.module()`` take) and in its callable module."""
+    (what split halves and ``program.module()`` take) and in its callable module.
+
+    Args:
+        programs: ``Transformed`` programs over caches of one layout (the prefill and the steps).
+        prefix: the state-dict names of the cache tensors start with it.
+
+    Returns:
+        The shared tensors, ordered by layer (``keys_0``, ``values_0``, ``keys_1``...).
+
+    Raises:
+        RuntimeError: a cache tensor's shape differs between two programs.
+    """
     first = programs[0].program.state_dict
     names = sorted((n for n in first if n.startswith(prefix)), key=lambda n: (int(n.rsplit("_", 1)[1]), n))
     for transformed in programs:
@@ -66,8 +77,15 @@ def share_cache(programs, prefix: str = "cache.") -> list[torch.Tensor]:
 
 
 def package_cache_dir(folder=None) -> pathlib.Path:
-    """Where AOTInductor packages are kept: ``folder`` if given, else ``$NEURON_CONSTRAIN_PACKAGES``,
-    else a ``neuron_constrain`` folder in Inductor's own cache (``$TORCHINDUCTOR_CACHE_DIR``)."""
+    """Where AOTInductor packages are kept.
+
+    Args:
+        folder: the folder to use, if given.
+
+    Returns:
+        ``folder``, else ``$NEURON_CONSTRAIN_PACKAGES``, else a ``neuron_constrain`` folder in Inductor's own
+        cache (``$TORCHINDUCTOR_CACHE_DIR``).
+    """
     if folder is not None:
         return pathlib.Path(folder)
     if os.environ.get("NEURON_CONSTRAIN_PACKAGES"):
@@ -98,8 +116,16 @@ def _running(transformed, runner: torch.nn.Module):
 
 
 def weights_digest(program, cache: list[torch.Tensor]) -> str:
-    """A digest of every constant of ``program`` but the cache (whose values change): the
-    weights a package holds, part of its key beside the graph."""
+    """A digest of every constant of a program but the cache (whose values change): the weights a package
+    holds, part of its key beside the graph.
+
+    Args:
+        program: the program (``ExportedProgram``).
+        cache: the cache tensors, left out.
+
+    Returns:
+        The digest, hex (each constant's name, shape, dtype and bytes).
+    """
     skip = {id(t) for t in cache}
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(_constants(program).items()):
@@ -174,7 +200,15 @@ def _package(program, path: pathlib.Path, log) -> bool:
 
 
 def cache_names(program, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The cache tensors by their names in ``program`` (the names a package's constants have)."""
+    """The cache tensors by their names in a program (the names a package's constants have).
+
+    Args:
+        program: the program (``ExportedProgram``).
+        cache: the cache tensors.
+
+    Returns:
+        State-dict name -> tensor, for the program's entries that are cache tensors.
+    """
     ids = {id(t) for t in cache}
     return {name: t for name, t in program.state_dict.items() if id(t) in ids}
 

@@ -36,13 +36,13 @@ bucket compiles once, and new positions, rows or masks never recompile.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Sequence
 
 import torch
 
+from neuron_constrain.decoding.attention import grouped_attention
 from neuron_constrain.decoding.compiled import cache_names, compile_decoder, share_cache
 
 __all__ = ["CachedDecoder", "KVCache", "PrefillStep", "CachedStep", "export_decoder"]
@@ -161,6 +161,18 @@ class PrefillStep(_Program):
 
     def forward(self, input_ids: torch.Tensor, rows: torch.Tensor, last: torch.Tensor,
                 noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the prompts' keys and values into their cache rows and pick each prompt's next token.
+
+        Args:
+            input_ids: ``[B, T]`` prompts, right-padded.
+            rows: ``[B]``: each prompt's cache row.
+            last: ``[B]``: each prompt's last position.
+            noise: ``[B, V]`` Exponential(1) noise (sampled programs).
+            temperature: ``[B]`` (sampled programs).
+
+        Returns:
+            ``[B]`` tokens.
+        """
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device)
         writes = _Writes(self.cache, rows, positions[None, :].expand(batch, -1), window=None)
@@ -176,6 +188,18 @@ class CachedStep(_Program):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode (or verify) step over cache rows ``0..B-1``, writing its keys and values.
+
+        Args:
+            input_ids: ``[B, n]`` tokens.
+            position_ids: ``[B, n]`` their positions.
+            attention_mask: ``[B, W]``: the cache slots each row attends (the window ``W``).
+            noise: ``[B(, n), V]`` Exponential(1) noise (sampled programs).
+            temperature: ``[B]`` (sampled programs).
+
+        Returns:
+            ``[B]`` tokens (n = 1) or ``[B, n]``.
+        """
         batch, window = input_ids.shape[0], attention_mask.shape[1]
         rows = torch.arange(batch, device=input_ids.device)
         writes = _Writes(self.cache, rows, position_ids, window=window)
@@ -185,49 +209,6 @@ class CachedStep(_Program):
         if hidden.shape[1] == 1:
             hidden = hidden[:, 0]
         return self._pick(hidden, noise, temperature)
-
-
-GROUPED_SDPA = "neuron_constrain_grouped_sdpa"
-
-
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """SDPA with each key/value head's query heads stacked as extra query rows.
-
-    Hugging Face's sdpa path copies every key/value head ``heads / kv_heads`` times
-    (``repeat_kv``) whenever it is traced: under export, a copy of the whole attention
-    window per layer and step (more than half a SmolLM2 step). Stacking the queries
-    instead (what HF does itself for one query when not traced, ``pack_gqa``) reads the
-    cache as it is. ``query [B, H, T, D]``, ``key/value [B, H_kv, S, D]``, ``attention_mask
-    [B, 1, T, S]`` additive -> ``[B, T, H, D]``."""
-    batch, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    query = query.reshape(batch, kv_heads, groups * length, dim)  # head h = k * groups + g -> row g * T + t
-    if attention_mask is not None and groups > 1:
-        rows, size = attention_mask.shape[0], attention_mask.shape[-1]
-        attention_mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, 1, groups * length, size)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-    )
-    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
-
-
-@contextlib.contextmanager
-def _attention(model, implementation: str | None):
-    """``model`` traced with another registered attention implementation (sdpa models only)."""
-    config = model.config
-    before = getattr(config, "_attn_implementation", None)
-    if implementation is None or before != "sdpa":
-        yield
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(implementation, grouped_sdpa)
-    config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 def _round_up(value: int, step: int, limit: int) -> int:
@@ -254,10 +235,6 @@ class CachedDecoder:
         compiled: ``None`` (eager), ``"inductor"`` or ``"xla"``.
         packages: with ``"inductor"``, program name -> its package (``.pt2``).
         eager: a compiled decoder's eager twin (the reference).
-
-    Raises:
-        ValueError: on a run, what the programs would index out of range (token ids past the
-            embedding, rows past the cache, positions past its length), before any program runs.
     """
 
     prefill: object
@@ -286,10 +263,25 @@ class CachedDecoder:
 
     @property
     def report(self):
-        return self.step.report  # what StructuredRuntime.for_model reads (the mask input)
+        """The one-token step's :class:`TransformReport` (what ``StructuredRuntime.for_model`` reads)."""
+        return self.step.report
 
     def run_prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int], **extra):
-        """Prefill ``prompts`` into cache ``rows``: the token after each prompt, ``[B]``."""
+        """Prefill prompts into cache rows.
+
+        Args:
+            prompts: the prompts' token ids (padded to a length bucket).
+            rows: each prompt's cache row, distinct.
+            **extra: the program's other inputs (``logit_mask=``, ``noise=``...), moved to its device.
+
+        Returns:
+            ``(tokens [B], empty_rows)`` as ``Transformed.run`` returns them: the token after each prompt.
+
+        Raises:
+            ValueError: not one row per prompt, more prompts than cache rows, an empty prompt or one past
+                ``max_len``, a row out of range or taken twice, a token id past the embedding; before any
+                program runs.
+        """
         if not prompts or len(prompts) != len(rows) or len(prompts) > self.max_batch:
             raise ValueError(f"{len(prompts)} prompts for {len(rows)} rows: pass one row each, at most {self.max_batch}")
         shortest, longest = min(len(p) for p in prompts), max(len(p) for p in prompts)
@@ -308,7 +300,20 @@ class CachedDecoder:
             return self._synced(self.prefill.run(*self._moved((ids, rows, last)), **self._moved(extra)))
 
     def run_step(self, tokens, positions: Sequence[int], **extra):
-        """One step of cache rows ``0..B-1``: ``tokens [B, n]`` at positions ``positions[b] + 0..n-1``."""
+        """One step of cache rows ``0..B-1``.
+
+        Args:
+            tokens: ``[B, n]``: each row's next token (n = 1), or the tokens a verify step checks.
+            positions: each row's position of its first token (its tokens at ``positions[b] + 0..n-1``).
+            **extra: the program's other inputs (``logit_mask=``, ``noise=``...), moved to its device.
+
+        Returns:
+            ``(tokens, empty_rows)`` as ``Transformed.run`` returns them: ``[B]`` (n = 1) or ``[B, n]``.
+
+        Raises:
+            ValueError: no step program takes ``n`` tokens a row, more rows than the cache's, positions
+                past ``max_len``, a token id past the embedding; before any program runs.
+        """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         batch, n = tokens.shape
         if n not in self.steps:
@@ -353,7 +358,11 @@ class CachedDecoder:
 
     @torch.no_grad()
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Move cache rows ``rows`` (ascending) to rows ``0..len(rows)-1`` (finished requests leave)."""
+        """Move cache rows to the front (finished requests leave).
+
+        Args:
+            rows: the rows to keep, ascending; they become rows ``0..len(rows)-1``.
+        """
         if list(rows) == list(range(len(rows))):
             return
         if self.device.type != "cpu":  # one gather of every row (its order as device data): one graph for any rows
@@ -368,8 +377,12 @@ class CachedDecoder:
                     tensor[new].copy_(tensor[old])
 
     def save_cache(self, path) -> None:
-        """Write the KV cache as it is (``torch.save``, named as the ``"inductor"`` packages'
-        constants): what a plain-torch user loads into a package to go on from here."""
+        """Write the KV cache as it is (``torch.save``, named as the ``"inductor"`` packages' constants):
+        what a plain-torch user loads into a package to go on from here.
+
+        Args:
+            path: the file to write.
+        """
         torch.save({k: v.cpu() for k, v in cache_names(self.prefill.program, self.cache).items()}, path)
 
 
@@ -431,7 +444,7 @@ def export_decoder(model, *, max_batch: int, max_len: int, vocab_size: int, new_
     )
     steps = {}
     window = Dim("window", min=1, max=max_len)
-    with _attention(model, GROUPED_SDPA):
+    with grouped_attention(model):
         for n in sizes:
             ids = torch.zeros(example, n, dtype=torch.long)
             args, dims = sampling(example, n) if n > 1 else sampling(example)

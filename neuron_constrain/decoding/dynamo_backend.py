@@ -99,7 +99,15 @@ class Backend:
     # ------------------------------------------------------------------ feeding
     @contextlib.contextmanager
     def feed(self, **inputs):
-        """Feed added inputs (``logit_mask=``, tap inputs) to the calls made inside."""
+        """Feed added inputs to the compiled calls made inside the ``with`` block (this thread's).
+
+        Args:
+            **inputs: added inputs by name (``logit_mask=``, tap inputs); a None is not fed.
+
+        Raises:
+            RuntimeError: a ``feed`` is already active in this thread.
+            InputError: at the block's end, an input no compiled graph took (the message says why that happens).
+        """
         if self._feed.values is not None:
             raise RuntimeError("feed() is already active in this thread; feed each call once")
         self._feed.values = {k: v for k, v in inputs.items() if v is not None}

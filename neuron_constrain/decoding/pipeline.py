@@ -83,11 +83,27 @@ class Split:
     kwarg_order: list[str]
 
     def body_call(self, args: Sequence, kwargs: Mapping) -> tuple[tuple, dict]:
-        """The body's ``(args, kwargs)``: the step's, without the head's inputs."""
+        """The body's inputs from the step's.
+
+        Args:
+            args: the step's positional inputs.
+            kwargs: its keyword inputs, the head's among them.
+
+        Returns:
+            ``(args, kwargs)`` without the head's inputs.
+        """
         return tuple(args), {k: v for k, v in kwargs.items() if k not in self.head_names}
 
     def head_kwargs(self, args: Sequence, kwargs: Mapping) -> dict:
-        """The head's keyword inputs from the step's: passthrough inputs and the head's own."""
+        """The head's keyword inputs from the step's.
+
+        Args:
+            args: the step's positional inputs.
+            kwargs: its keyword inputs.
+
+        Returns:
+            The step's inputs the head reads (passthrough) and the head's own added inputs, by name.
+        """
         ordered = {k: kwargs[k] for k in self.kwarg_order if k in kwargs}
         leaves = pytree.tree_leaves((tuple(args), ordered))
         out = {name: leaves[i] for i, name in self.passthrough}
@@ -104,6 +120,12 @@ class Split:
         The moved weights and state are materialised at once (synced): torch-xla keeps
         small scalars (a cache's length counters) as pending constants, which made the
         first step's body a different graph from every later one's (two compilations).
+
+        Args:
+            device: the XLA device (default: torch-xla's).
+
+        Returns:
+            A new split over the moved halves; this one is unchanged.
         """
         import torch_xla
 
@@ -117,15 +139,23 @@ class Split:
 
 
 def split_step(transformed: Transformed, head_inputs: Sequence[str] | None = None, *, cut: str = "logits") -> Split:
-    """Cut ``transformed`` at its mask (:func:`split_at_mask_pass`).
+    """Cut a rewritten step at its mask (:func:`split_at_mask_pass`). The halves share the program's
+    weights and state (nothing is copied): the body writes the KV cache the unsplit program would.
 
-    ``cut``: ``"logits"`` (the body ends with the lm_head) or ``"hidden"`` (the lm_head
-    moves into the head; the last hidden rows cross the cut).
+    Args:
+        transformed: the rewritten step.
+        head_inputs: the added inputs the head takes; default those the mask-logits and process-logits
+            passes added (tap inputs stay in the body: taps replace values inside the layers).
+        cut: ``"logits"`` (the body ends with the lm_head) or ``"hidden"`` (the lm_head moves into the
+            head; the last hidden rows cross the cut).
 
-    ``head_inputs``: default the inputs the mask-logits and process-logits passes
-    added (tap inputs stay in the body: taps replace values inside the layers).
-    The halves share the program's weights and state (nothing is copied): the body
-    writes the KV cache the unsplit program would.
+    Returns:
+        The two halves, callable as the serial step.
+
+    Raises:
+        TransformError: the program has no mask or processor input (and no ``head_inputs`` were given), or
+            the split pass refuses the cut (an unknown cut, an input it does not take, a cache write the
+            head's inputs would reach...).
     """
     if head_inputs is None:
         head_inputs = [i.name for p in HEAD_PASSES if p in transformed.report.passes
@@ -150,12 +180,18 @@ def _on_xla(leaves) -> bool:
 class PipelinedStep:
     """Run a :class:`Split` step with the mask fill overlapped with the body.
 
-    ``fill()`` runs on the caller's thread while the body runs, and returns the head's
-    inputs (``{"logit_mask": mask}``, processor inputs) or ``None`` (all neutral).
-    ``body_threads``: the CPU worker's torch thread budget (None: the process's).
-    ``timeout``: seconds any wait may take. Timings of the last call are kept in
-    ``last_body_seconds`` (worker), ``last_fill_seconds``, ``last_wait_seconds``
-    (the caller waiting for the body after its fill) and ``last_head_seconds``.
+    ``step(args, kwargs, fill=fill)`` runs one step: ``fill()`` runs on the caller's thread while
+    the body runs, and returns the head's inputs (``{"logit_mask": mask}``, processor inputs) or
+    ``None`` (all neutral); the call returns the head's outputs. It raises the body's error, else
+    the fill's (once the body is done), and :class:`PipelineTimeout` past ``timeout`` (the step
+    refuses every later call). Timings of the last call are kept in ``last_body_seconds``
+    (worker), ``last_fill_seconds``, ``last_wait_seconds`` (the caller waiting for the body
+    after its fill) and ``last_head_seconds``.
+
+    Args:
+        split: the step cut in two (:func:`split_step`).
+        body_threads: the CPU worker's torch thread budget (None: the process's).
+        timeout: seconds any wait may take.
     """
 
     def __init__(self, split: Split, *, body_threads: int | None = None, timeout: float = 120.0):
@@ -187,6 +223,7 @@ class PipelinedStep:
         return self._executor
 
     def close(self) -> None:
+        """Stop the worker thread (a body still running is not waited for)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

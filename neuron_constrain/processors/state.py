@@ -23,7 +23,8 @@ from neuron_constrain.core.processor_interface import (
 )
 from neuron_constrain.processors.rows import NEUTRAL, ProcessorInputs, RequestRows, write_rows
 
-MOVE, SWAP = "move", "swap"
+MOVE = "move"  # BatchUpdate.moved: (a, b, MOVE), b takes a's request and a is emptied
+SWAP = "swap"  # BatchUpdate.moved: (a, b, SWAP), a and b exchange their requests
 
 
 def _is_index(value) -> bool:
@@ -66,16 +67,22 @@ class ProcessorState:
         vocab_size: token ids must lie below it.
         processors: the processors the graph runs (as given to ``transform``).
         max_stop_tokens: the graph's fixed per-row width S of stop ids (a request that needs
-            more raises, naming the option); likewise ``max_bias_tokens`` (K) and
-            ``max_penalty_tokens`` (L).
+            more raises, naming the option).
+        max_bias_tokens: its width K of logit_bias entries.
+        max_penalty_tokens: its width L of the distinct tokens penalties see.
+        num_speculative_tokens: draft tokens per request: each slot has ``1 + k`` rows.
+        eos_token_id: a stop id every min_tokens row masks beside the request's own.
         input_names: the inputs the graph takes (default: all of the listed processors'); the
             pass leaves out min_p and temperature when every site is greedy.
+        inputs: the inputs' description read from the program's report (:meth:`for_model` passes
+            it); default: built from ``processors`` and the widths.
         thinking: the model's thought markers (:class:`Thinking`), which a request's
             ``thinking_token_budget`` counts against.
 
     Raises:
-        ProcessorError: an unknown processor, or ``thinking`` that is not a :class:`Thinking`;
-            later, a request whose parameters do not fit (named, with the option to raise).
+        ProcessorError: an unknown processor, ``input_names`` the processors do not feed, or
+            ``thinking`` that is not a :class:`Thinking`; later, a request whose parameters do
+            not fit (named, with the option to raise).
     """
 
     def __init__(

@@ -31,7 +31,7 @@ tapped modules).
 """
 from neuron_constrain.replacement.files import load_captures, save_captures
 from neuron_constrain.replacement.localization_report import LocalizationReport, LocalizationRow
-from neuron_constrain.replacement.localize import localize, reference_captures
+from neuron_constrain.replacement.localization import localize, reference_captures
 from neuron_constrain.replacement.replacer import TensorReplacer
 from neuron_constrain.replacement.validation import StepResult, ValidationReport, capture, logit_validation
 from neuron_constrain.core.tap_context import (

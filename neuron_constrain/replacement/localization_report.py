@@ -1,4 +1,4 @@
-"""What :func:`~neuron_constrain.replacement.localize.localize` found, per tapped module,
+"""What :func:`~neuron_constrain.replacement.localization.localize` found, per tapped module,
 and its renderings: a text table (:meth:`LocalizationReport.summary`), strict JSON
 (:meth:`~LocalizationReport.to_json`) and a PNG of the errors by module
 (:meth:`~LocalizationReport.plot`, optional matplotlib).
@@ -43,6 +43,12 @@ class LocalizationRow:
     alone: LogitsError     # logits with only this module's tap on
 
     def to_dict(self) -> dict:
+        """The row as JSON-ready data.
+
+        Returns:
+            Its module, local error, propagated error, top-k agreement and first divergence, and the
+            error and first divergence with its tap alone on.
+        """
         return {
             "module": self.module,
             "local_error": self.local_error,
@@ -87,13 +93,27 @@ class LocalizationReport:
 
     @property
     def culprit_row(self) -> LocalizationRow | None:
+        """The culprit's row, or None."""
         return next((r for r in self.rows if r.module == self.culprit), None)
 
     def ranking(self, n: int = 3) -> list[LocalizationRow]:
-        """The ``n`` modules with the largest local errors, worst first."""
+        """The modules with the largest local errors.
+
+        Args:
+            n: how many.
+
+        Returns:
+            Their rows, worst first (a NaN error counts as the worst).
+        """
         return sorted(self.rows, key=lambda r: -_sortable(r.local_error))[:n]
 
     def summary(self) -> str:
+        """The report as a table (what ``neuron-constrain localize`` prints).
+
+        Returns:
+            A row per module (local, propagated and alone errors, top-k agreement, first divergence), the
+            baseline, the culprit and the worst local errors, and the cost in forward passes.
+        """
         width = max([len("module")] + [len(r.module) for r in self.rows])
         head = (f"{'module':<{width}}  {'local err':>9}  {'propagated':>10}  {'top-' + str(self.top_k):>6}  "
                 f"{'diverges':>8}  {'alone':>9}  restores")
@@ -134,6 +154,12 @@ class LocalizationReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """The report as data.
+
+        Returns:
+            The culprit, the options and costs, the baseline, the modules over ``atol`` worst first, and
+            every row (:meth:`LocalizationRow.to_dict`).
+        """
         return {
             "culprit": self.culprit,
             "atol": self.atol,
@@ -149,13 +175,26 @@ class LocalizationReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The report as strict JSON (non-finite errors are the strings "inf" / "nan")."""
+        """The report as strict JSON.
+
+        Args:
+            indent: ``json.dumps``' indent.
+
+        Returns:
+            :meth:`to_dict` as JSON, non-finite errors as the strings ``"inf"`` / ``"nan"``.
+        """
         return json.dumps(_finite(self.to_dict()), indent=indent)
 
     def plot(self, path) -> str | None:
-        """Write a PNG of the errors by module (log scale); None, with a one-line note
-        on stderr, when matplotlib is not installed. The figure is drawn on its own Agg
-        canvas: pyplot's state and the process's backend are left alone."""
+        """Write a PNG of the errors by module (log scale). The figure is drawn on its own Agg canvas:
+        pyplot's state and the process's backend are left alone.
+
+        Args:
+            path: the file to write.
+
+        Returns:
+            The path written, or None, with a one-line note on stderr, when matplotlib is not installed.
+        """
         try:
             import matplotlib  # noqa: F401  first, so an absent or blocked matplotlib raises here
             from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -84,6 +84,17 @@ class TensorReplacer:
         return best
 
     def prompt_index(self, req_id: str) -> int:
+        """The stored prompt a request maps to.
+
+        Args:
+            req_id: a request :meth:`register_request` mapped.
+
+        Returns:
+            The prompt's index.
+
+        Raises:
+            InputError: the request was not registered.
+        """
         if req_id not in self._requests:
             raise InputError(f"request {req_id!r} is not registered: call register_request(req_id, tokens) at its prefill")
         return self._requests[req_id]
@@ -148,7 +159,15 @@ class TensorReplacer:
         return context
 
     def warmup_context(self, num_tokens: int, device: torch.device | str = "cpu") -> dict[str, Entry]:
-        """Zeros with every slot disabled: the shapes of a real context, nothing replaced."""
+        """Zeros with every slot disabled: the shapes of a real context, nothing replaced.
+
+        Args:
+            num_tokens: token slots of the forward pass.
+            device: where the tensors go.
+
+        Returns:
+            Tap name -> ``(values [num_tokens, features], enabled [num_tokens])``.
+        """
         return {
             name: (torch.zeros(num_tokens, self.features[name], dtype=self._dtype(name), device=device),
                    torch.zeros(num_tokens, dtype=torch.bool, device=device))
@@ -160,11 +179,20 @@ class TensorReplacer:
 
     @classmethod
     def from_files(cls, tensors_path, prompt_token_ids_path=None) -> "TensorReplacer":
-        """A replacer from captures on disk (the seeds' online mode): see ``load_captures``.
+        """A replacer from captures on disk (the seeds' online mode): see ``load_captures``. Nothing in
+        either file is unpickled.
 
-        ``tensors_path`` is a file ``save_captures`` wrote (it holds the prompt ids
-        too), or the seeds' ``torch.save`` pair with ``prompt_token_ids_path``, read
-        with ``weights_only=True``. Nothing in either file is unpickled.
+        Args:
+            tensors_path: a file ``save_captures`` wrote (it holds the prompt ids too), or the seeds'
+                ``torch.save`` captures, read with ``weights_only=True``.
+            prompt_token_ids_path: with the seeds' pair, the prompts' file.
+
+        Returns:
+            The replacer.
+
+        Raises:
+            LoadError: no such file, not a captures file, or captures and prompts that do not match.
+            InputError: captures that do not line up (as the constructor raises).
         """
         return cls(*load_captures(tensors_path, prompt_token_ids_path))
 

@@ -100,6 +100,7 @@ class StepResult:
 
     @property
     def diverged(self) -> bool:
+        """Whether the model's greedy token differs from the reference's."""
         return self.token != self.reference_token
 
 
@@ -119,24 +120,42 @@ class ValidationReport:
 
     @property
     def max_abs_error(self) -> float:
+        """The largest logit error over every step (0 with no step)."""
         return max((s.max_abs_error for s in self.steps), default=0.0)
 
     @property
     def divergences(self) -> list[StepResult]:
+        """The steps where the greedy tokens differ."""
         return [s for s in self.steps if s.diverged]
 
     def first_divergence(self, prompt: int) -> int | None:
+        """Where a prompt first diverged.
+
+        Args:
+            prompt: the prompt's index.
+
+        Returns:
+            Its first diverged step, or None.
+        """
         return next((s.step for s in self.steps if s.prompt == prompt and s.diverged), None)
 
     @property
     def nonfinite_mismatches(self) -> list[StepResult]:
+        """The steps with logits finite on one side and -inf/NaN on the other."""
         return [s for s in self.steps if s.nonfinite_mismatches]
 
     @property
     def passed(self) -> bool:
+        """No divergence, no non-finite mismatch, and every logit error within ``atol``."""
         return not self.divergences and not self.nonfinite_mismatches and self.max_abs_error <= self.atol
 
     def summary(self) -> str:
+        """The report as text.
+
+        Returns:
+            PASSED or FAILED with the steps, the largest error and the least top-k agreement, then the
+            non-finite mismatches and each prompt's first divergence.
+        """
         prompts = sorted({s.prompt for s in self.steps})
         lines = [
             f"logit validation {'PASSED' if self.passed else 'FAILED'}: {len(self.steps)} steps over {len(prompts)} prompt(s), "

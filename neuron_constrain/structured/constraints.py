@@ -39,6 +39,8 @@ class Constraint:
         whitespace: JSON's whitespace mode (see :func:`json_schema`).
         strict: JSON schema: unlisted properties and items refused.
         max_whitespace: ``"bounded"``: whitespace characters a gap may hold.
+        validate: tool formats: ``text -> None | reason``, the check of a finished answer (``tools.py``).
+        unenforced: JSON schema keywords the engine cannot enforce: ``"refuse"`` or ``"allow"``.
     """
 
     kind: str  # "json_schema" | "json" | "regex" | "choice" | "ebnf" | "structural_tag"
@@ -51,6 +53,7 @@ class Constraint:
 
     @property
     def compact(self) -> bool:
+        """Whether JSON is written with no whitespace (``whitespace="none"``)."""
         return self.whitespace == "none"
 
     @functools.cached_property
@@ -60,11 +63,22 @@ class Constraint:
         return (self.kind, spec, self.whitespace, self.strict, self.max_whitespace, self.unenforced)
 
     def grammar_text(self) -> str:
+        """The constraint as EBNF text (``"choice"`` and ``"ebnf"`` constraints).
+
+        Returns:
+            A choice's options as one EBNF rule of literals; otherwise the spec as it is (an EBNF
+            constraint's grammar).
+        """
         if self.kind == "choice":
             return "root ::= " + " | ".join(_ebnf_literal(option) for option in self.spec)
         return self.spec
 
     def describe(self) -> str:
+        """The constraint in a few words, for messages.
+
+        Returns:
+            ``"any JSON"``, or its kind and the first 60 characters of its spec.
+        """
         if self.kind == "json":
             return "any JSON"
         text = json.dumps(self.spec) if self.kind in ("json_schema", "choice", "structural_tag") else self.spec

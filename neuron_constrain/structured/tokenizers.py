@@ -88,9 +88,25 @@ class TokenizerLike(Protocol):
     info: VocabularyInfo
     eos_id: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Text to token ids (reasoning markers and prompts given as text).
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+        Args:
+            text: the text.
+
+        Returns:
+            Its token ids.
+        """
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Generated token ids to text.
+
+        Args:
+            ids: the ids.
+
+        Returns:
+            Their text, control tokens dropped.
+        """
 
 
 class Tokenizer:
@@ -150,10 +166,26 @@ class Tokenizer:
         return RawVocabulary.from_pieces(pieces, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
 
     def encode(self, text: str) -> list[int]:
+        """Text to token ids, by the wrapped tokenizer.
+
+        Args:
+            text: the text.
+
+        Returns:
+            Its token ids.
+        """
         return list(self._encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of generated ``ids`` as a continuation (control tokens, EOS included, dropped)."""
+        """The text of generated ids as a continuation: decoded after a plain token, so a leading space a
+        tokenizer strips at the start of a text is kept.
+
+        Args:
+            ids: the ids; those past the tokenizer's pieces (lm_head padding) are dropped.
+
+        Returns:
+            Their text, control tokens (EOS included) dropped.
+        """
         ids = [int(i) for i in ids if int(i) < len(self.pieces)]
         if self._anchor is None:
             anchor = next((i for i, p in enumerate(self.pieces) if p == b"a"), None)
@@ -165,7 +197,14 @@ class Tokenizer:
         return text[len(prefix):] if text.startswith(prefix) else self._decode(ids)
 
     def control_token(self, name: str) -> int | None:
-        """The id of the control token called ``name`` (e.g. ``"[TOOL_CALLS]"``), or ``None``."""
+        """A control token's id.
+
+        Args:
+            name: its printable name (``"[TOOL_CALLS]"``).
+
+        Returns:
+            Its id, or None where the tokenizer has no such control token.
+        """
         return self._controls.get(name)
 
     def __repr__(self) -> str:

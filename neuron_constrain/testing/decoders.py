@@ -26,6 +26,9 @@ def tiny_config(arch: str, *, vocab_size: int = 1000, hidden_size: int = 64, lay
 
     Returns:
         The transformers config.
+
+    Raises:
+        ValueError: an unknown architecture.
     """
     import transformers
 
@@ -84,6 +87,9 @@ def tiny_decoder(arch: str = "llama", *, seed: int = 0, dtype=torch.float32, **c
 
     Returns:
         The model (a Hugging Face module: export it, wrap it in a step).
+
+    Raises:
+        ValueError: an unknown architecture.
     """
     import transformers
 
@@ -105,6 +111,14 @@ class GreedyStep(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One greedy step over the whole sequence.
+
+        Args:
+            input_ids: ``[B, S]``.
+
+        Returns:
+            ``[B]``: the argmax of the last logits.
+        """
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         return logits[:, -1].argmax(-1)
 
@@ -121,6 +135,14 @@ class LogitsStep(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits at every position.
+
+        Args:
+            input_ids: ``[B, S]``.
+
+        Returns:
+            ``[B, S, V]``.
+        """
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
@@ -145,6 +167,15 @@ class SamplingStep(torch.nn.Module):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
 
     def forward(self, input_ids: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """One sampled step.
+
+        Args:
+            input_ids: ``[B, S]``.
+            noise: ``[B, V]`` Exponential(1) (:func:`exponential_noise`).
+
+        Returns:
+            ``[B]``: the token of the race over the temperature-scaled, top-k and top-p kept probabilities.
+        """
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
         scaled = logits / self.temperature
         ordered, order = scaled.sort(dim=-1, descending=True)
@@ -171,6 +202,14 @@ class TopKMultinomialStep(torch.nn.Module):
         self.top_k = top_k
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One step drawn by ``torch.multinomial`` among the top-k (torch's global generator).
+
+        Args:
+            input_ids: ``[B, S]``.
+
+        Returns:
+            ``[B]``: the drawn tokens.
+        """
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
         values, indices = logits.topk(self.top_k, dim=-1)
         choice = torch.multinomial(values.softmax(-1), 1)
@@ -223,6 +262,15 @@ class ForcedStep(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One greedy step with a bias on the last logits.
+
+        Args:
+            input_ids: ``[B, S]``.
+            bias: ``[B, V]``, added to the last logits.
+
+        Returns:
+            ``[B]``: the argmax of the biased logits.
+        """
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
         return (logits + bias).argmax(-1)
 
@@ -271,6 +319,14 @@ class DraftHeadStep(torch.nn.Module):
         self.draft = torch.nn.Linear(config.hidden_size, draft_vocab or config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor):
+        """One greedy step of both heads.
+
+        Args:
+            input_ids: ``[B, S]``.
+
+        Returns:
+            ``(token [B], draft [B])``: the model's argmax and the draft head's.
+        """
         out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -1]
         return out.logits[:, -1].argmax(-1), self.draft(hidden).argmax(-1)

@@ -39,6 +39,15 @@ class VocabShardedGreedyStep(torch.nn.Module):
         self.lm_head_shard = torch.nn.Parameter(shard, requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's greedy candidate.
+
+        Args:
+            input_ids: ``[B, S]``.
+
+        Returns:
+            ``(value [B], index [B])``: the max of this rank's shard of the last logits and its column in
+            the shard.
+        """
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state
         logits = torch.nn.functional.linear(hidden, self.lm_head_shard)[:, -1]
         value, index = logits.max(-1)
@@ -117,12 +126,39 @@ class CachedGreedyStep(torch.nn.Module):
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
 
     def logits(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        """The last logits of a step, its keys and values written into the cache.
+
+        Args:
+            input_ids: ``[B, 1]``.
+            cache_position: ``[1]``: the slot the token is written at.
+
+        Returns:
+            ``[B, V]``.
+        """
         return self.cached(input_ids=input_ids, cache_position=cache_position)[:, -1]
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        """One greedy step.
+
+        Args:
+            input_ids: ``[B, 1]``.
+            cache_position: ``[1]``: the slot the token is written at.
+
+        Returns:
+            ``[B]``: the argmax of the logits.
+        """
         return self.logits(input_ids, cache_position).argmax(-1)
 
     def example_inputs(self, vocab_size: int, *, seed: int = 0) -> tuple:
+        """Inputs to export the step with.
+
+        Args:
+            vocab_size: token ids are below it.
+            seed: the ids' seed.
+
+        Returns:
+            ``(input_ids [batch_size, 1], cache_position [0])``.
+        """
         return random_ids(self.batch_size, 1, vocab_size, seed=seed), torch.tensor([0])
 
 
@@ -145,10 +181,29 @@ class CachedSamplingStep(CachedGreedyStep):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """One sampled step.
+
+        Args:
+            input_ids: ``[B, 1]``.
+            cache_position: ``[1]``: the slot the token is written at.
+            noise: ``[B, V]`` Exponential(1).
+
+        Returns:
+            ``[B]``: the tokens :func:`sample_race` picks.
+        """
         logits = self.logits(input_ids, cache_position)
         return sample_race(logits, noise, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
     def example_inputs(self, vocab_size: int, *, seed: int = 0) -> tuple:
+        """Inputs to export the step with.
+
+        Args:
+            vocab_size: token ids are below it.
+            seed: the ids' and the noise's seed.
+
+        Returns:
+            ``(input_ids, cache_position, noise [batch_size, the model's vocabulary])``.
+        """
         width = self.cached.model.config.vocab_size
         return (*super().example_inputs(vocab_size, seed=seed), exponential_noise(self.batch_size, width, seed=seed))
 
@@ -217,6 +272,9 @@ class TokenGenerationStep(torch.nn.Module):
         batch_size: the fixed batch.
         bucket: the cache length of this bucket.
         global_top_k: the sampler's first ``topk`` width.
+
+    Raises:
+        ValueError: the model's attention has q/k norms (not Llama-family).
     """
 
     def __init__(self, model: torch.nn.Module, *, batch_size: int, bucket: int, global_top_k: int = 16):
@@ -230,10 +288,24 @@ class TokenGenerationStep(torch.nn.Module):
         self.head_dim = attention.head_dim
 
     def empty_cache(self) -> tuple[torch.Tensor, ...]:
+        """A zero cache for the bucket.
+
+        Returns:
+            ``(k0, v0, k1, v1, ...)``, each ``[batch_size, kv_heads, bucket, head_dim]``.
+        """
         shape = (self.batch_size, self.kv_heads, self.bucket, self.head_dim)
         return tuple(torch.zeros(shape) for _ in range(2 * len(self.model.model.layers)))
 
     def example_inputs(self, vocab_size: int, *, seed: int = 0) -> tuple:
+        """Inputs to export the step with.
+
+        Args:
+            vocab_size: token ids are below it.
+            seed: the ids' and the uniform draw's seed.
+
+        Returns:
+            ``(input_ids, position_ids (zeros), sampling_params (global_top_k, 0.9, 0.8), uniform, empty cache)``.
+        """
         generator = torch.Generator().manual_seed(seed)
         batch = self.batch_size
         params = torch.tensor([[self.global_top_k, 0.9, 0.8]]).repeat(batch, 1)
@@ -264,6 +336,16 @@ class TokenGenerationStep(torch.nn.Module):
         return out, past_k.scatter(2, where, k), past_v.scatter(2, where, v)
 
     def logits(self, input_ids, position_ids, cache):
+        """The step's last logits and the cache written at each row's position.
+
+        Args:
+            input_ids: ``[B, 1]``.
+            position_ids: ``[B, 1]``.
+            cache: ``(k0, v0, k1, v1, ...)``.
+
+        Returns:
+            ``(logits [B, V], new cache)``.
+        """
         hidden = self.model.model.embed_tokens(input_ids)
         new_cache = []
         for index, layer in enumerate(self.model.model.layers):
@@ -274,5 +356,17 @@ class TokenGenerationStep(torch.nn.Module):
         return self.model.lm_head(self.model.model.norm(hidden))[:, -1], tuple(new_cache)
 
     def forward(self, input_ids, position_ids, sampling_params, uniform, cache):
+        """One token-generation step.
+
+        Args:
+            input_ids: ``[B, 1]``.
+            position_ids: ``[B, 1]``.
+            sampling_params: ``[B, 3]``, ``(top_k, top_p, temperature)`` per row.
+            uniform: ``[B, 1]`` in ``[0, 1)``.
+            cache: ``(k0, v0, k1, v1, ...)``.
+
+        Returns:
+            ``(token [B], *new cache)``.
+        """
         logits, new_cache = self.logits(input_ids, position_ids, cache)
         return (sample_top_k_top_p(logits, sampling_params, uniform, global_top_k=self.global_top_k), *new_cache)

@@ -39,6 +39,9 @@ class Vocabulary:
     Args:
         pieces: ``pieces[i]``, the bytes of token ``i``; the stop token's is ``b""``.
         eos_id: the stop token.
+
+    Raises:
+        ValueError: ``eos_id`` is not a token of ``pieces``, or a piece appears twice.
     """
 
     def __init__(self, pieces: Sequence[bytes], *, eos_id: int):
@@ -57,6 +60,17 @@ class Vocabulary:
         self.info = RawVocabulary.from_pieces(self.pieces, vocab_size=self.vocab_size, stop_token_ids=[eos_id])
 
     def encode(self, text: str | bytes) -> list[int]:
+        """Greedy longest-match encoding.
+
+        Args:
+            text: text (encoded as UTF-8) or bytes.
+
+        Returns:
+            The token ids.
+
+        Raises:
+            ValueError: a byte no piece starts with (the vocabulary lacks single bytes).
+        """
         data = text.encode() if isinstance(text, str) else text
         ids, at = [], 0
         while at < len(data):
@@ -71,6 +85,14 @@ class Vocabulary:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, the stop token dropped.
+
+        Args:
+            ids: the ids.
+
+        Returns:
+            Their bytes decoded as UTF-8 (invalid sequences replaced).
+        """
         return b"".join(self.pieces[i] for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
 
@@ -85,6 +107,9 @@ def toy_tokenizer(size: int | None = None):
 
     Returns:
         A :class:`Vocabulary` (the tokenizer protocol); its ``eos_id`` is the stop token.
+
+    Raises:
+        ValueError: a ``size`` smaller than the base tokens.
     """
     texts = list(_JSON_PIECES) + [f"{n:02d}" for n in range(100)]
     for word in _WORDS:
@@ -133,6 +158,9 @@ def force(engine, compiled, tokens: Sequence[int], *, buffer: torch.Tensor | Non
 
     Returns:
         Whether the grammar took them.
+
+    Raises:
+        Exception: the error of a fill that failed (the engine's, as ``batch_fill`` reports it).
     """
     import time
 

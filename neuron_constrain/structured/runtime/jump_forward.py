@@ -2,6 +2,7 @@
 
     run = exact_run(matcher, limit=7, scratch=buffer)     # while the mask allows exactly one token
     run = canonical_run(engine, matcher, limit=7, scratch=buffer)   # the forced text, tokenized canonically
+    runs = forced_runs(requests, engine, batch, limit, mode, scratch)  # StructuredRuntime.forced_runs: per request
 
 Two modes (``StructuredRuntime(jump_forward=...)``):
 
@@ -23,10 +24,16 @@ so every draft is accepted and the token sampled after the run is the step's new
 """
 from __future__ import annotations
 
+import time
+from typing import Hashable, Mapping, Sequence
+
 import numpy as np
 import torch
 
+from neuron_constrain.structured.constraints import engine_message
 from neuron_constrain.structured.engines.item_tracker import ItemTrackingMatcher
+from neuron_constrain.structured.errors import GrammarFillError
+from neuron_constrain.structured.runtime.reasoning import ReasoningMatcher
 
 MODES = ("exact", "canonical")
 
@@ -79,3 +86,44 @@ def canonical_run(engine, matcher, limit: int, scratch: torch.Tensor) -> list[in
     finally:
         if run:
             matcher.rollback(len(run))
+
+
+def forced_run(engine, matcher, limit: int, mode: str, scratch: torch.Tensor) -> list[int]:
+    """A matcher's forced run in ``mode``: a reasoning request's through its own matcher (the budget's end
+    tokens, then what the answer's grammar forces), canonical text only from its answer's grammar."""
+    if mode == "exact":
+        return exact_run(matcher, limit, scratch)
+    if type(matcher) is ReasoningMatcher:
+        if matcher.inner is None:
+            return exact_run(matcher, limit, scratch)
+        return canonical_run(engine, matcher.inner, limit, scratch)
+    return canonical_run(engine, matcher, limit, scratch)
+
+
+def forced_runs(requests, engine, batch: Sequence[Hashable], limit: int | Mapping[Hashable, int], mode: str | None,
+                scratch: torch.Tensor) -> dict[Hashable, list[int]]:
+    """``StructuredRuntime.forced_runs``: each live constrained request's forced run in ``mode`` (None: no runs;
+    another mode than ``MODES`` raises ValueError), at most ``limit`` (or ``limit[request]``) tokens, its host
+    time added to its ``forced_seconds``; a grammar that raises fails its request (``requests.fail``). Requests
+    without a run are left out."""
+    if mode not in (None, *MODES):
+        raise ValueError(f"jump_forward={mode!r}: pass None, {' or '.join(map(repr, MODES))}")
+    if mode is None:
+        return {}
+    runs = {}
+    for request_id in batch:
+        state = requests.get(request_id)
+        cap = limit if isinstance(limit, int) else limit.get(request_id, 0)
+        if state.matcher is None or state.finished or state.job is not None or cap <= 0:
+            continue
+        start = time.perf_counter()
+        try:
+            run = forced_run(engine, state.matcher, cap, mode, scratch)
+        except Exception as error:  # noqa: BLE001 - that request's own failure
+            requests.fail(request_id, state, GrammarFillError(
+                f"request {request_id!r}: finding its forced tokens failed ({engine_message(error)})", request_id))
+            continue
+        state.forced_seconds += time.perf_counter() - start
+        if run:
+            runs[request_id] = run
+    return runs

@@ -6,6 +6,7 @@
     mask.fill_draft(matcher, row, draft)   # fill, accept a draft token, fill, ..., roll back
     mask.fill_forced(matcher, row, run)    # a forced run's rows: one token each, then the grammar after it
     mask.views[rows]                  # buffer[:rows]: what the graph reads, handed out, never re-sliced
+    mask_mismatch(info, vocab_size)   # why a graph's logit_mask input cannot take these rows, or None
     mask.replace()                    # a fresh buffer (an abandoned fill thread may still write the old one)
 
 ``[max_rows, ceil(V/32)]``, token ``t`` is bit ``t % 32`` of word ``t // 32``. A -1 row is
@@ -120,3 +121,23 @@ class MaskBuffer:
                 matcher.rollback(advanced)
         if row + 1 < end:
             buffer[row + 1:end] = buffer[row]
+
+
+def mask_mismatch(info, vocab_size: int) -> str | None:
+    """Why a graph's ``logit_mask`` input (its ``AddedInput``) cannot take this buffer's rows, or None:
+    not packed int32, made for another vocabulary size, or of another width (``StructuredRuntime.for_model``)."""
+    if info.dtype != torch.int32:
+        return (f"the graph's logit_mask is {info.describe()} but the runtime ships packed int32 rows; "
+                "transform with logit_mask='packed'")
+    graph_vocab = getattr(info, "vocab_size", None)
+    if graph_vocab is not None and graph_vocab != vocab_size:
+        return (f"the graph was transformed with vocab_size={graph_vocab} but the tokenizer info has "
+                f"{vocab_size} tokens; transform with vocab_size={vocab_size} (the tokenizer's "
+                f"vocabulary), or build the tokenizer with vocab_size={graph_vocab} (from_huggingface / "
+                "from_mistral pad it with tokens that are never text)")
+    width = int(info.shape[-1])
+    if width != packed_width(vocab_size):
+        return (f"the graph's logit_mask has {width} words per row but the tokenizer's {vocab_size} "
+                f"tokens need {packed_width(vocab_size)}; transform with vocab_size={vocab_size} (the tokenizer's "
+                "vocabulary, even when the lm_head is wider)")
+    return None

@@ -30,7 +30,7 @@ import torch
 from neuron_constrain.core.processor_interface import Thinking, Thought
 from neuron_constrain.structured.constraints import Constraint
 
-__all__ = ["Reasoning", "ReasoningMatcher"]
+__all__ = ["Reasoning", "ReasoningMatcher", "matcher_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +66,19 @@ class Reasoning:
                              "never allows the end marker: pass no thought grammar and no budget with it")
 
     def thinking(self, tokenizer, vocab_size: int | None = None) -> Thinking:
-        """The markers as token ids (a string is encoded by ``tokenizer``: it must be one or more tokens),
-        each below ``vocab_size`` where given."""
+        """The markers as token ids, in the thinking-budget rule's form.
+
+        Args:
+            tokenizer: encodes a marker given as text (its ``encode``); unused for token ids.
+            vocab_size: every id must be below it, where given.
+
+        Returns:
+            The start and end markers' ids.
+
+        Raises:
+            ValueError: a text marker and a tokenizer without ``encode``, a marker that encodes to no token,
+                or ids outside the vocabulary.
+        """
         ids = []
         for name, marker in (("start", self.start), ("end", self.end)):
             if isinstance(marker, str) and not callable(getattr(tokenizer, "encode", None)):
@@ -84,9 +95,18 @@ class Reasoning:
         return Thinking(*ids)
 
     def divide(self, thinking: Thinking, prompt: Sequence[int], tokens: Sequence[int]) -> tuple[list | None, list]:
-        """``(thought, answer)`` tokens of an output: the thought without its end marker (``None`` when the
-        prompt had closed the thought, or the answer's grammar held from the start), the answer after it
-        (empty while the thought never ended)."""
+        """An output's tokens split into its thought and its answer.
+
+        Args:
+            thinking: the markers' ids (:meth:`thinking`).
+            prompt: the request's prompt tokens (a prompt that closed a thought starts with the answer).
+            tokens: the output's tokens.
+
+        Returns:
+            ``(thought, answer)``: the thought without its end marker (None when the prompt had closed the
+            thought, or the answer's grammar held from the start), the answer after it (empty while the
+            thought never ended).
+        """
         tokens = list(tokens)
         if self.grammar_in_thought or closed(thinking, prompt):
             return None, tokens
@@ -106,6 +126,19 @@ def closed(thinking: Thinking, prompt: Sequence[int]) -> bool:
         if tuple(text[at:at + len(thinking.end)]) == thinking.end:
             return True
     return False
+
+
+def matcher_for(reasoning: Reasoning, tokenizer, vocab_size: int, prompt: Sequence[int], stop_ids: Sequence[int],
+                width: int):
+    """One request's ``(answer matcher, thought matcher) -> ReasoningMatcher`` (what ``Requests.add`` takes as
+    ``reasoning``), its markers encoded once (``Reasoning.thinking``: a ValueError for markers that do not encode)."""
+    thinking, prompt = reasoning.thinking(tokenizer, vocab_size), list(prompt)
+
+    def matcher(answer, thought) -> ReasoningMatcher:
+        return ReasoningMatcher(thinking, reasoning.budget, prompt, answer=answer, thought=thought, stop_ids=stop_ids,
+                                width=width)
+
+    return matcher
 
 
 class ReasoningMatcher:
