@@ -57,7 +57,8 @@ XDIST ?= -n 2 --dist loadfile
 
 # The package as a user installs it: the wheel `pip install .` builds, alone in a fresh venv (build/wheel-venv:
 # the latest lane's CPU torch, then the wheel and the dependencies it declares, nothing else), and the README's
-# snippets run there from outside the checkout (tests/wheel_smoke.py). test-wheel rebuilds the wheel each run,
+# snippets and the examples/ scripts that need no server run there from outside the checkout (tests/wheel_smoke.py).
+# test-wheel rebuilds the wheel each run,
 # after removing build/lib (setuptools' own build folder, where a module since moved away would still lie).
 WHEEL_VENV := build/wheel-venv
 build/wheel-venv/.installed: setup.cfg setup.py pyproject.toml
@@ -70,7 +71,7 @@ build/wheel-venv/.installed: setup.cfg setup.py pyproject.toml
 test-wheel: build/wheel-venv/.installed
 	rm -rf build/wheel build/lib && $(WHEEL_VENV)/bin/pip wheel -q --no-deps -w build/wheel .
 	$(WHEEL_VENV)/bin/pip install -q --no-deps --force-reinstall build/wheel/neuron_constrain-*.whl
-	cd build && ../$(WHEEL_VENV)/bin/python ../tests/wheel_smoke.py ../README.md
+	cd build && ../$(WHEEL_VENV)/bin/python ../tests/wheel_smoke.py ../README.md ../examples
 
 # The documentation site into build/site; --strict: a broken link, a missing page or an unresolved
 # API reference fails the build.

@@ -7,8 +7,7 @@ in ``GIVEN`` runs as it is, so a new block either runs on its own or gets its gi
 docs cannot drift. A block that cannot run here (a shell command that starts a server, a
 workflow file, an error message) is preceded by ``<!-- not run: REASON -->``; every block of
 another language must be. A page's ``--8<-- "PATH"`` line (the docs' include) counts as the
-included file's text, so ARCHITECTURE.md and benchmarks/RESULTS.md are checked where the site
-shows them.
+included file's text, so ARCHITECTURE.md is checked where the site shows it.
 """
 from __future__ import annotations
 
@@ -244,7 +243,7 @@ GIVEN = {
     "Logits processors": given_processors,
     "Reasoning models": given_reasoning,
 }
-NEEDS = {"XLA and Neuron": "torch_xla"}  # blocks that need a package only one lane has
+NEEDS = {"XLA and Neuron": "torch_xla", "Check the HLO the compiler gets": "torch_xla"}  # blocks that need a package only one lane has
 
 
 @pytest.mark.parametrize("section,code", blocks(), ids=[f"{i}-{s}" for i, (s, _) in enumerate(blocks())])
