@@ -236,7 +236,7 @@ QUOTED = {
                         "neuron_constrain/decoding/pipeline.py",
                         ("did not finish within {self.timeout} s; this pipelined step is unusable", '"the body"')),
     "GrammarFillError": ("request 'a': its grammar fill did not return within 120 s (a fill thread was abandoned)",
-                         "neuron_constrain/structured/runtime/structured_runtime.py",
+                         "neuron_constrain/structured/runtime/fill.py",
                          ('f"request {request_id!r}: {engine_message(error)}"',)),
     "FillTimeout": ("its grammar fill did not return within 120 s (a fill thread was abandoned)",
                     "neuron_constrain/structured/engines/xgrammar/fill_threads.py",
