@@ -49,6 +49,32 @@ SOURCE_PACKAGES = {"neuron_constrain.passes": "passes", "neuron_constrain.kernel
 INVENTORY_LINE = re.compile(r"(?P<name>\S+)\s+(?P<domain>\w+):(?P<role>\w+)\s+-?\d+\s+\S*\s+.*")
 
 
+def package_version(root: pathlib.Path = ROOT) -> str:
+    """``neuron_constrain.__version__``, read from the source (this venv has no torch to import the package).
+
+    Args:
+        root: the repository.
+
+    Returns:
+        The version string.
+
+    Raises:
+        ValueError: the front door assigns no ``__version__`` string.
+    """
+    tree = ast.parse((root / "neuron_constrain" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise ValueError("neuron_constrain/__init__.py assigns no __version__")
+
+
+def on_config(config, **kwargs):
+    """The site's name carries the package's version (``neuron-constrain 0.2.0``), so a reader knows which
+    release a page describes."""
+    config["site_name"] = f"{config['site_name']} {package_version()}"
+    return config
+
+
 def on_page_content(html: str, **kwargs) -> str:
     """Drops the Sphinx roles from a page's HTML (``:func:<code>x</code>`` reads ``<code>x</code>``).
 

@@ -49,3 +49,23 @@ def test_the_wheel_holds_every_module_of_the_tree(tmp_path):
     assert shipped - expected == set(), f"the wheel holds files the tree does not: {sorted(shipped - expected)}"
     from neuron_constrain import __version__
     assert wheel.name.startswith(f"neuron_constrain-{__version__}-")
+
+
+@pytest.mark.torch_agnostic(lane="latest")
+def test_the_version_is_one_everywhere(capsys):
+    """``neuron_constrain.__version__`` is the wheel's (setup.cfg reads it), the CLI's ``--version`` and the docs
+    site's name (docs/hooks.py reads it from the source); CHANGELOG.md has its section."""
+    import importlib.util
+
+    from neuron_constrain import __version__
+    from neuron_constrain.cli import build_parser
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.package_version() == __version__
+    assert hooks.on_config({"site_name": "neuron-constrain"})["site_name"] == f"neuron-constrain {__version__}"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.strip() == f"neuron-constrain {__version__}"
+    assert f"## {__version__}" in (ROOT / "CHANGELOG.md").read_text()
