@@ -262,9 +262,9 @@ def test_a_bounded_string_routes_to_the_engine_that_takes_its_escapes(toy_engine
     assert routed.engine == "llguidance" and routed.narrowed == ()
     assert _verdicts({"auto": toy_engines["auto"]}, schema, [{"name": 'a"b'}])["auto"].accepted_valid == 1
     unbounded = toy_engines["auto"].compile(S.json_schema({"type": "object", "properties": {"name": {"type": "string"}}}))
-    assert unbounded.engine == "xgrammar" and unbounded.narrowed == ()
+    assert unbounded.engines[-1] == "xgrammar" and unbounded.narrowed == ()  # raced: xgrammar's once it is ready
     # as stock vLLM (the plugin): the bounded string on xgrammar, narrowed and saying so; untyped nodes still by meaning
-    as_vllm = E.AutoEngine(toy_tokenizer(), narrow_bounded_strings=True)
+    as_vllm = E.AutoEngine(toy_tokenizer(), narrow_bounded_strings=True, race=False)  # as the plugin builds it
     kept = as_vllm.compile(S.json_schema(schema))
     assert kept.engine == "xgrammar" and kept.narrowed == ("#/properties/name",)
     assert as_vllm.compile(S.json_schema({"maxLength": 2})).engine == "llguidance"
