@@ -379,9 +379,14 @@ def refusal(item: Unenforced, more: int) -> ConstraintError:
 def check(schema: dict, engine, policy: str = "refuse", tracker=None) -> tuple[Unenforced, ...]:
     """Apply the policy to a prepared schema: ``refuse`` raises on the first unenforced keyword;
     ``allow`` returns them all. ``tracker``: as :func:`find`."""
+    return apply_policy(find(schema, engine, tracker), policy)
+
+
+def apply_policy(found, policy: str) -> tuple[Unenforced, ...]:
+    """The policy applied to the unenforced keywords ``found``: ``refuse`` raises for the first (naming it, its
+    pointer and an engine that enforces it); ``allow`` returns them all."""
     if policy not in POLICIES:
         raise ConstraintError(f"unenforced={policy!r} is not a policy; pass one of {', '.join(POLICIES)}")
-    found = find(schema, engine, tracker)
     if found and policy == "refuse":
         raise refusal(found[0], len(found) - 1)
     return tuple(found)

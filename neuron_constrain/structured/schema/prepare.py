@@ -53,13 +53,9 @@ class EngineView:
     constraint: Constraint
 
     def unenforced(self, policy: str) -> tuple[keywords.Unenforced, ...]:
-        """The policy applied: ``refuse`` raises for the first keyword the engine would not enforce (naming
-        it, its pointer and an engine that does); ``allow`` returns them all."""
-        if policy not in keywords.POLICIES:
-            raise ConstraintError(f"unenforced={policy!r} is not a policy; pass one of {', '.join(keywords.POLICIES)}")
-        if self.found and policy == "refuse":
-            raise keywords.refusal(self.found[0], len(self.found) - 1)
-        return self.found
+        """``keywords.apply_policy`` on :attr:`found`: ``refuse`` raises for the first keyword the engine would not
+        enforce; ``allow`` returns them all."""
+        return keywords.apply_policy(self.found, policy)
 
     @functools.cached_property
     def bounded_strings(self) -> tuple[str, ...]:
