@@ -29,7 +29,8 @@ class RacingMatcher:
 
     fills_itself = True  # an engine's batch call never takes it: it fills through ``current``
 
-    __slots__ = ("current", "engines", "moved_at", "_pending", "_make_next", "_next_engine", "_history", "_on_move")
+    __slots__ = ("current", "engines", "moved_at", "_pending", "_make_next", "_next_engine", "_history", "_taken",
+                 "_on_move")
 
     def __init__(self, first, first_engine: str, pending: concurrent.futures.Future, make_next: Callable,
                  next_engine: str, on_move: Callable[[str], None] | None = None):
@@ -37,7 +38,8 @@ class RacingMatcher:
         self.engines: tuple[str, ...] = (first_engine,)  # who served it, in order
         self.moved_at: int | None = None  # tokens accepted before the move (None: it never moved)
         self._pending, self._make_next, self._next_engine = pending, make_next, next_engine
-        self._history: list[int] = []
+        self._history: list[int] = []  # the tokens taken, kept only while the race is open (the move replays them)
+        self._taken = 0  # how many tokens the served matcher holds: rollback's bound
         self._on_move = on_move  # told "moved" or "stayed" once the race is decided
 
     def _settle(self) -> None:
@@ -46,18 +48,19 @@ class RacingMatcher:
         if pending is None or not pending.done():
             return
         self._pending = None
+        history, self._history = self._history, []
         if pending.cancelled() or pending.exception() is not None:
             self._told("stayed")  # it failed (a limit, a refusal): the first engine serves to the end
             return
         candidate = self._make_next(pending.result())
-        for token in self._history:
+        for token in history:
             if not candidate.accept_token(token):
                 self._told("stayed")
                 return
         if candidate.is_terminated() != self.current.is_terminated():
             self._told("stayed")
             return
-        self.current, self.moved_at = candidate, len(self._history)
+        self.current, self.moved_at = candidate, len(history)
         self.engines = (*self.engines, self._next_engine)
         self._told("moved")
 
@@ -73,14 +76,17 @@ class RacingMatcher:
     def accept_token(self, token: int) -> bool:
         if not self.current.accept_token(token):
             return False
-        self._history.append(token)
+        self._taken += 1
+        if self._pending is not None:
+            self._history.append(token)
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens > len(self._history):
-            raise ValueError(f"rollback({num_tokens}) past the {len(self._history)} tokens this matcher took")
+        if num_tokens > self._taken:
+            raise ValueError(f"rollback({num_tokens}) past the {self._taken} tokens this matcher took")
         self.current.rollback(num_tokens)
-        if num_tokens:
+        self._taken -= num_tokens
+        if num_tokens and self._pending is not None:
             del self._history[-num_tokens:]
 
     def is_terminated(self) -> bool:
