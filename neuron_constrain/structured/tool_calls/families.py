@@ -1,0 +1,212 @@
+"""One declarative description per tool-call family: how its models write calls.
+
+    family = resolve("mistral", tokenizer)    # the v11+ form where the vocabulary has [ARGS]
+    family.trigger, family.call_open, family.arguments    # what the grammar and the parsers read
+    write_calls(family, [ToolCall("f", {"a": 1})])        # the family's writer (tests, docs, demos)
+
+Each description is read off the model's own chat template or published prompt format:
+Qwen 2.5/3's template (``hermes``), Qwen3-Coder's (``qwen3_coder``), Llama 3.1-3.3's
+(``llama3_json``), Llama 4's pythonic list (``pythonic``), mistral-common's tokenizers (``mistral``:
+``json.dumps`` of the calls after ``[TOOL_CALLS]`` up to v7; ``[TOOL_CALLS]name[ARGS]{...}`` per
+call from v11). Text between angle brackets or square brackets that the tokenizer has as a control
+token is matched as that token (``controls``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Sequence
+
+from neuron_constrain.structured.constraints import ConstraintError
+
+
+@dataclasses.dataclass
+class ToolCall:
+    """One tool call read from an answer.
+
+    Attributes:
+        name: the tool's name.
+        arguments: its arguments, valid against the tool's parameters when the call was constrained.
+    """
+
+    name: str
+    arguments: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolFamily:
+    """How one model family writes tool calls.
+
+    Attributes:
+        name: its ``TOOL_FORMATS`` name.
+        models: the models that write it (the guide's table).
+        arguments: ``"json"`` (one JSON object), ``"xml"`` (``<parameter=P>`` blocks, values typed by
+            the schema) or ``"python"`` (keyword arguments, Python literals).
+        call_open: the text before a call's arguments; ``{name}`` is the tool's name.
+        call_close: the text after them.
+        name_style: ``"json"`` (a JSON string) or ``"raw"`` (the name as it is).
+        separator: between two calls.
+        section_open: before the first call (``optional_open``: it may be left out).
+        section_close: after the last call.
+        optional_space: a space may follow ``section_open`` (sentencepiece writes ``"▁["``).
+        call_id: a call may end with mistral's ``, "id": "<9 letters or digits>"``.
+        trigger: what starts the calls under ``tool_choice="auto"``.
+        controls: the names matched as control tokens where the tokenizer has them.
+        required_controls: the control tokens without which the family is refused.
+    """
+
+    name: str
+    models: str
+    arguments: str
+    call_open: str
+    call_close: str
+    name_style: str = "json"
+    separator: str = ""
+    section_open: str = ""
+    section_close: str = ""
+    optional_open: bool = False
+    optional_space: bool = False
+    call_id: bool = False
+    trigger: str = ""
+    controls: tuple[str, ...] = ()
+    required_controls: tuple[str, ...] = ()
+
+    def spelled(self, name: str) -> str:
+        """The tool's name as the family writes it inside ``call_open``.
+
+        Args:
+            name: the tool's name.
+
+        Returns:
+            A JSON string, or the name itself.
+        """
+        return json.dumps(name, ensure_ascii=False) if self.name_style == "json" else name
+
+
+FAMILIES = {
+    family.name: family for family in (
+        ToolFamily("hermes", "Qwen 2.5, Qwen 3, Hermes 2/3, SmolLM3", "json",
+                   '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", separator="\n",
+                   trigger="<tool_call>", controls=("<tool_call>", "</tool_call>")),
+        ToolFamily("qwen3_coder", "Qwen3-Coder, Qwen3-Next", "xml",
+                   "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>", name_style="raw",
+                   separator="\n", trigger="<tool_call>", controls=("<tool_call>", "</tool_call>")),
+        ToolFamily("llama3_json", "Llama 3.1, 3.2, 3.3", "json",
+                   '{{"name": {name}, "parameters": ', "}", separator="; ", section_open="<|python_tag|>",
+                   optional_open=True, trigger='{"name": ', controls=("<|python_tag|>",)),
+        ToolFamily("pythonic", "Llama 4, Llama 3.2 (1B/3B), ToolACE", "python",
+                   "{name}(", ")", name_style="raw", separator=", ", section_open="[", section_close="]",
+                   trigger="["),
+        ToolFamily("mistral", "Mistral tokenizers v3-v7 (Mistral 7B v0.3, Nemo, Small 3)", "json",
+                   '{{"name": {name}, "arguments": ', "}", separator=", ", section_open="[TOOL_CALLS][",
+                   section_close="]", optional_space=True, call_id=True, trigger="[TOOL_CALLS]",
+                   controls=("[TOOL_CALLS]",), required_controls=("[TOOL_CALLS]",)),
+        ToolFamily("mistral_v11", "Mistral tokenizers v11+ (Magistral, Small 3.2, Devstral)", "json",
+                   "[TOOL_CALLS]{name}[ARGS]", "", name_style="raw", trigger="[TOOL_CALLS]",
+                   controls=("[TOOL_CALLS]", "[ARGS]"), required_controls=("[TOOL_CALLS]", "[ARGS]")),
+    )
+}
+ALIASES = {"llama3": "llama3_json"}
+TOOL_FORMATS = ("json", "mistral", "hermes", "llama3", "llama3_json", "qwen3_coder", "pythonic")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def control(tokenizer, name: str) -> int | None:
+    """The id of control token ``name`` in ``tokenizer`` (None: it has none, or no tokenizer)."""
+    lookup = getattr(tokenizer, "control_token", None)
+    return lookup(name) if lookup is not None else None
+
+
+def resolve(format: str, tokenizer=None) -> ToolFamily | None:
+    """The family a ``TOOL_FORMATS`` name means with this tokenizer (None for ``"json"``).
+
+    Args:
+        format: one of ``TOOL_FORMATS``.
+        tokenizer: the request's tokenizer: ``"mistral"`` is the v11+ form where it has ``[ARGS]``.
+
+    Returns:
+        The family's description; None for ``"json"`` (a JSON array of calls, built apart).
+
+    Raises:
+        ConstraintError: an unknown format.
+    """
+    if format not in TOOL_FORMATS:
+        raise ConstraintError(f"tool-call format {format!r} is not one of {TOOL_FORMATS}")
+    if format == "json":
+        return None
+    if format == "mistral" and control(tokenizer, "[ARGS]") is not None:
+        return FAMILIES["mistral_v11"]
+    return FAMILIES[ALIASES.get(format, format)]
+
+
+def tool_functions(tools: Sequence[dict]) -> dict[str, dict]:
+    """OpenAI ``tools`` as ``{name: parameters schema}``; raises ConstraintError for one that is not a function tool."""
+    functions = {}
+    for index, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str)):
+            raise ConstraintError(
+                f"tools[{index}] is not an OpenAI function tool; write "
+                '{"type": "function", "function": {"name": ..., "parameters": {...JSON schema...}}}'
+            )
+        functions[function["name"]] = function.get("parameters") or {"type": "object"}
+    return functions
+
+
+def named_tool(tool_choice) -> str | None:
+    """The tool a named ``tool_choice`` names, or None."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def xml_value(value) -> str:
+    """A value as Qwen3-Coder's template writes a parameter: ``tojson`` for objects and arrays, else ``| string``."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, bool) or value is None:
+        return str(value)  # Jinja's `| string` of a Python bool / None: True, False, None
+    return str(value) if not isinstance(value, float) else repr(value)
+
+
+def python_value(value) -> str:
+    """A value as a Python literal (strings double-quoted with JSON's escapes, which Python reads alike)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(python_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {python_value(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def write_call(family: ToolFamily, call: ToolCall) -> str:
+    """One call as the family's model writes it (control tokens spelled as their names)."""
+    if family.arguments == "json":
+        body = json.dumps(call.arguments, ensure_ascii=False)
+    elif family.arguments == "xml":
+        body = "".join(f"<parameter={key}>\n{xml_value(value)}\n</parameter>\n" for key, value in call.arguments.items())
+    else:
+        body = ", ".join(f"{key}={python_value(value)}" for key, value in call.arguments.items())
+    return family.call_open.format(name=family.spelled(call.name)) + body + family.call_close
+
+
+def write_calls(family: ToolFamily, calls: Sequence[ToolCall]) -> str:
+    """Calls as the family's model writes them: the writer the round-trip properties check the grammar and
+    parser against.
+
+    Args:
+        family: the family (``resolve(format, tokenizer)``).
+        calls: one or more calls.
+
+    Returns:
+        The text, control tokens spelled as their names.
+    """
+    opening = "" if family.optional_open else family.section_open  # the template writes no optional opening
+    return opening + family.separator.join(write_call(family, c) for c in calls) + family.section_close

@@ -1,0 +1,315 @@
+"""A family's description -> the whole-answer parser: ``(content, calls)`` from what a model wrote.
+
+    parse_tool_calls(text, tools, "auto", format="qwen3_coder")     # free text, then calls
+    parse_tool_calls(text=None or "", tools, "required", format="mistral", tokens=ids, tokenizer=tok)
+    check_answer(text, functions, tool_choice, format=...)          # validate_output of a tool constraint
+
+The reader walks the same description the grammar is built from (``families.py``): the section's opening,
+each call's opening with the tool's name, its arguments (JSON, ``<parameter>`` blocks typed by the schema,
+or Python keyword arguments), the separator and the closing. Generated tokens are read with the family's
+control tokens spelled as their names (a plain decode drops them).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Sequence
+
+from neuron_constrain.structured.tool_calls import families as F
+from neuron_constrain.structured.tool_calls.arguments import python_arguments, read_xml_value
+from neuron_constrain.structured.tool_calls.families import ToolCall
+
+_CALL_ID = re.compile(r',\s*"id":\s*"[a-zA-Z0-9]{9}"')
+_DECODER = json.JSONDecoder()
+
+
+def _expect(text: str, at: int, literal: str) -> int:
+    if not text.startswith(literal, at):
+        raise ValueError(f"expected {literal!r} at {at}, found {text[at:at + 20]!r}")
+    return at + len(literal)
+
+
+def _opening(family: F.ToolFamily, text: str, at: int) -> int:
+    opening = family.section_open
+    if not opening:
+        return at
+    if family.optional_open:
+        return at + len(opening) if text.startswith(opening, at) else at
+    if family.optional_space and family.trigger and opening.startswith(family.trigger):
+        at = _expect(text, at, family.trigger)
+        at += text.startswith(" ", at)
+        opening = opening[len(family.trigger):]
+    return _expect(text, at, opening)
+
+
+def _python_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> tuple[list[ToolCall], int]:
+    """``[f(a=1), ...]`` from ``at``: to its matching bracket (outside strings), read by ``ast``."""
+    depth, end = 0, at
+    while end < len(text):
+        char = text[end]
+        if char in "\"'":  # a string: to its closing quote, escapes skipped
+            end += 1
+            while end < len(text) and text[end] != char:
+                end += 2 if text[end] == "\\" else 1
+        elif char in "[({":
+            depth += 1
+        elif char in "])}":
+            depth -= 1
+            if depth == 0:
+                calls = [ToolCall(name, arguments) for name, arguments in python_arguments(text[at:end + 1])]
+                for call in calls:
+                    _known(call.name, functions)
+                return calls, end + 1
+        end += 1
+    raise ValueError("the list of calls is not closed")
+
+
+def _known(name: str, functions: dict) -> None:
+    if name not in functions:
+        raise ValueError(f"{name!r} is not one of the tools {sorted(functions)}")
+
+
+def _xml_arguments(text: str, at: int, parameters: dict) -> tuple[dict, int]:
+    properties, arguments = parameters.get("properties") or {}, {}
+    while text.startswith("<parameter=", at):
+        head = text.find(">\n", at)
+        if head < 0:
+            raise ValueError("a <parameter= tag is not closed")
+        key = text[at + len("<parameter="):head]
+        end = text.find("\n</parameter>\n", head + 2)
+        if end < 0 or key not in properties or key in arguments:
+            raise ValueError(f"the parameter {key!r} is unknown, repeated or not closed")
+        arguments[key] = read_xml_value(text[head + 2:end], properties[key])
+        at = end + len("\n</parameter>\n")
+    return arguments, at
+
+
+def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> tuple[list[ToolCall], int]:
+    """The calls written from ``at`` on, and where they end.
+
+    Args:
+        family: the family.
+        text: the answer, control tokens spelled as their names.
+        at: where the calls begin (the section's opening, or the first call's).
+        functions: ``{name: parameters}``.
+
+    Returns:
+        ``(calls, end)``.
+
+    Raises:
+        ValueError: the text there is not the family's calls to these tools.
+    """
+    at = _opening(family, text, at)
+    if family.arguments == "python":
+        return _python_section(family, text, at - len(family.section_open), functions)
+    before, _, after = family.call_open.replace("{{", "{").replace("}}", "}").partition("{name}")
+    calls = []
+    while True:
+        at = _expect(text, at, before)
+        if family.name_style == "json":
+            name, at = _DECODER.raw_decode(text, at)
+            if not isinstance(name, str):
+                raise ValueError("a tool's name is not a string")
+        else:
+            end = text.find(after, at)
+            if end < 0:
+                raise ValueError(f"no {after!r} after the tool's name")
+            name, at = text[at:end], end
+        _known(name, functions)
+        at = _expect(text, at, after)
+        if family.arguments == "json":
+            arguments, at = _DECODER.raw_decode(text, at)
+            if not isinstance(arguments, dict):
+                raise ValueError(f"the arguments of {name} are not a JSON object")
+        else:
+            arguments, at = _xml_arguments(text, at, functions[name])
+        if family.call_id and (match := _CALL_ID.match(text, at)):
+            at = match.end()
+        at = _expect(text, at, family.call_close.replace("{{", "{").replace("}}", "}"))
+        calls.append(ToolCall(name, arguments))
+        if not text.startswith(family.separator + before, at):
+            break
+        at += len(family.separator)
+    return calls, _expect(text, at, family.section_close)
+
+
+def spelled_text(tokens: Sequence[int], tokenizer, family: F.ToolFamily | None) -> str:
+    """Generated tokens as text, the family's control tokens spelled as their names."""
+    names = {F.control(tokenizer, name): name for name in (family.controls if family else ())}
+    names.pop(None, None)
+    parts, run = [], []
+    for token in [int(t) for t in tokens]:
+        if token in names:
+            parts += [tokenizer.decode(run), names[token]]
+            run = []
+        else:
+            run.append(token)
+    return "".join(parts) + tokenizer.decode(run)
+
+
+def _starts(family: F.ToolFamily, text: str, at: int) -> int:
+    starts = [i for i in (text.find(family.trigger, at),
+                          text.find(family.section_open, at) if family.optional_open else -1) if i >= 0]
+    return min(starts, default=-1)
+
+
+def parse_family(family: F.ToolFamily, text: str, functions: dict, forced: bool) -> tuple[str, list[ToolCall]]:
+    """``(content, calls)`` of ``text`` in ``family``'s spelling: forced, the whole text is calls."""
+    if forced:
+        stripped = text.strip()
+        if family.trigger in family.controls and not stripped.startswith(family.trigger):
+            stripped = family.trigger + stripped  # the constrained answer, its control token dropped by a decode
+        calls, end = read_section(family, stripped, 0, functions)
+        if stripped[end:].strip():
+            raise ValueError(f"text after the calls: {stripped[end:end + 40]!r}")
+        return "", calls
+    kept, calls, at = [], [], 0
+    while (start := _starts(family, text, at)) >= 0:
+        try:
+            found, end = read_section(family, text, start, functions)
+        except (ValueError, json.JSONDecodeError):
+            kept.append(text[at:start + 1])
+            at = start + 1
+            continue
+        kept.append(text[at:start])
+        calls += found
+        at = end
+    kept.append(text[at:])
+    return "".join(kept).strip(), calls
+
+
+def _as_call(value, functions: dict) -> ToolCall | None:
+    if not isinstance(value, dict) or value.get("name") not in functions:
+        return None
+    arguments = value.get("arguments", value.get("parameters"))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _parse_json(text: str, functions: dict, forced: bool) -> tuple[str, list[ToolCall]]:
+    """``format="json"``: JSON objects ``{"name", "arguments"|"parameters"}``, alone or in arrays."""
+    if forced:
+        value = json.loads(text)
+        calls = [_as_call(v, functions) for v in (value if isinstance(value, list) else [value])]
+        if not calls or None in calls:
+            raise ValueError(f"the answer {text[:80]!r} is not a call to {sorted(functions)}")
+        return "", calls
+    calls, kept, at = [], [], 0
+    while at < len(text):
+        start = min((i for i in (text.find("{", at), text.find("[", at)) if i >= 0), default=-1)
+        if start < 0:
+            break
+        try:
+            value, end = _DECODER.raw_decode(text, start)
+        except json.JSONDecodeError:
+            kept.append(text[at:start + 1])
+            at = start + 1
+            continue
+        found = [_as_call(v, functions) for v in (value if isinstance(value, list) else [value])]
+        if found and None not in found:
+            calls.extend(found)
+            kept.append(text[at:start])
+        else:
+            kept.append(text[at:end])
+        at = end
+    kept.append(text[at:])
+    return "".join(kept).strip(), calls
+
+
+def parse_tool_calls(
+    text: str,
+    tools: Sequence[dict],
+    tool_choice: str | dict = "auto",
+    *,
+    format: str = "json",
+    tokens: Sequence[int] | None = None,
+    tokenizer=None,
+) -> tuple[str, list[ToolCall]]:
+    """``(content, calls)`` from a model's answer.
+
+    ``required``/named: the answer is the constrained output and is parsed whole.
+    ``auto``: calls are lifted out of free text; the rest is the content. ``none``: no calls.
+
+    Args:
+        text: the model's answer.
+        tools: the tools the request offered.
+        tool_choice: the request's ``tool_choice``.
+        format: one of ``TOOL_FORMATS`` (``"json"``: JSON objects ``{"name": <a tool>,
+            "arguments"|"parameters": {...}}``, alone or in arrays; the others as ``families.FAMILIES``
+            describes them).
+        tokens: the generated tokens: read with the family's control tokens spelled as their names (a
+            decode drops them); ``text`` is then not read.
+        tokenizer: decodes ``tokens``; ``"mistral"``: the v11+ form where it has ``[ARGS]``.
+
+    Returns:
+        ``(content, calls)``: the text outside calls, and each call's name and arguments.
+
+    Raises:
+        ValueError: an unknown format; a ``required``/named answer that is not calls to the tools;
+            ``tokens`` without ``tokenizer``.
+    """
+    if format not in F.TOOL_FORMATS:
+        raise ValueError(f"tool-call format {format!r} is not one of {F.TOOL_FORMATS}")
+    family = F.resolve(format, tokenizer)
+    functions = F.tool_functions(tools)
+    if tokens is not None:
+        if tokenizer is None:
+            raise ValueError("parse_tool_calls(tokens=...) needs tokenizer= to spell the control tokens and decode")
+        text = spelled_text(tokens, tokenizer, family)
+    if tool_choice == "none":
+        return text, []
+    forced = tool_choice == "required" or F.named_tool(tool_choice) is not None
+    if family is None:
+        return _parse_json(text, functions, forced)
+    try:
+        return parse_family(family, text, functions, forced)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the answer is not {family.name} calls to {sorted(functions)} ({error})") from None
+
+
+def check_answer(text: str, functions: dict, tool_choice, *, format: str, max_calls: int | None = None,
+                 response_format=None) -> str | None:
+    """``validate_output`` of a tool-call constraint: the answer parsed, each call's arguments valid.
+
+    Args:
+        text: the answer.
+        functions: ``{name: parameters}``.
+        tool_choice: the request's ``tool_choice``.
+        format: the ``TOOL_FORMATS`` name.
+        max_calls: the most calls allowed (None: no bound).
+        response_format: ``auto``'s response schema: an answer with no calls is JSON valid against it.
+
+    Returns:
+        None, or why the answer is not valid.
+    """
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in functions.items()]
+    try:
+        content, calls = parse_tool_calls(text, tools, tool_choice, format=format)
+    except (ValueError, json.JSONDecodeError) as error:
+        return f"not {format} tool calls: {error}"
+    forced = tool_choice == "required" or F.named_tool(tool_choice) is not None
+    if forced and (content or not calls):
+        return f"not only {format} tool calls: free text {content[:40]!r}"
+    if max_calls is not None and len(calls) > max_calls:
+        return f"{len(calls)} calls where at most {max_calls} were allowed"
+    named = F.named_tool(tool_choice)
+    pairs = [(call.name, functions[call.name], call.arguments) for call in calls]
+    if response_format is not None and not calls:
+        try:
+            pairs.append(("the response", response_format, json.loads(text)))
+        except json.JSONDecodeError as error:
+            return f"neither calls nor JSON: {error}"
+    for name, schema, value in pairs:
+        if named and name != named:
+            return f"called {name!r}, not the named {named!r}"
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        errors = sorted(validator(schema).iter_errors(value), key=str)
+        if errors:
+            return f"{name} arguments: {errors[0].message}"
+    return None
