@@ -76,7 +76,7 @@ def json_arguments(tool: str, parameters, whitespace: int) -> dict:
     except ConstraintError as error:
         raise ConstraintError(f"tool {tool!r}: {error}") from error
     if view.plan is not None:
-        path = view.plan.reached[0] if getattr(view.plan, "reached", None) else "#"
+        path = min(view.plan.reached, default="#")
         raise refused(tool, str(path), "a keyword only the host's item tracker enforces (uniqueItems / contains)",
                       "tool arguments run no tracker: remove it from the parameters")
     return {"type": "json_schema", "json_schema": view.schema, "max_whitespace_cnt": whitespace}
