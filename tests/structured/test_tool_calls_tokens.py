@@ -1,0 +1,132 @@
+"""Tool-call families on a real vocabulary (Tekken, from mistral-common's files): control tokens matched as
+tokens, random walks through the masks parse into valid calls, and generated tokens parse back."""
+import json
+import random
+
+import jsonschema
+import numpy
+import pytest
+import xgrammar as xgr
+
+from neuron_constrain.structured import ConstraintError, parse_tool_calls, tool_constraint
+from neuron_constrain.structured.engines.xgrammar.grammars import xgrammar_info
+from neuron_constrain.structured.tokenizers import from_mistral, mistral_data_file
+from neuron_constrain.structured.tool_calls.families import ToolCall
+
+pytestmark = pytest.mark.torch_agnostic(lane="latest")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}, "days": {"type": "integer"},
+                                     "city": {"type": "string", "maxLength": 4}},
+    "required": ["unit"], "additionalProperties": False}}}
+SHORT = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}, "days": {"type": "integer"}},
+    "required": ["unit"], "additionalProperties": False}}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def tekken_v11(tmp_path_factory):
+    """Tekken with the control tokens v11+ files define at ranks 32 and 33 ([ARGS], [CALL_ID])."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    data = json.load(open(mistral_data_file("tekken_240911.json")))
+    specials = [{"rank": s["rank"], "token_str": str(getattr(s["token_str"], "value", s["token_str"])), "is_control": True}
+                for s in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    specials += [{"rank": r, "token_str": f"<SPECIAL_{r}>", "is_control": True} for r in range(20, 32)]
+    specials += [{"rank": 32, "token_str": "[ARGS]", "is_control": True},
+                 {"rank": 33, "token_str": "[CALL_ID]", "is_control": True}]
+    data["special_tokens"], data["config"]["version"] = specials, "v11"
+    path = tmp_path_factory.mktemp("tekken") / "tekken_v11.json"
+    path.write_text(json.dumps(data))
+    return from_mistral(str(path))
+
+
+def _walk(tokenizer, constraint, seed: int, limit: int = 120) -> list[int] | None:
+    """A random walk through the masks: an allowed token at each step (stop when allowed), None if unfinished."""
+    info = xgrammar_info(tokenizer.info)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(constraint.spec))
+    bitmask, rng, out = xgr.allocate_token_bitmask(1, info.vocab_size), random.Random(seed), []
+    for _ in range(limit):
+        if matcher.is_terminated():
+            return out
+        matcher.fill_next_token_bitmask(bitmask)
+        bits = numpy.unpackbits(bitmask[0].numpy().view(numpy.uint8), bitorder="little")[:info.vocab_size]
+        allowed = numpy.flatnonzero(bits).tolist()
+        token = tokenizer.eos_id if bits[tokenizer.eos_id] else rng.choice(allowed)
+        assert matcher.accept_token(token)
+        out.append(token)
+    return None
+
+
+def _valid(calls, tools) -> None:
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in calls:
+        jsonschema.validate(call.arguments, parameters[call.name])
+
+
+@pytest.mark.parametrize("version", ["v7", "v11"])
+def test_mistral_walks_parse_into_valid_calls(tekken, tekken_v11, version):
+    tok = tekken if version == "v7" else tekken_v11
+    tools = [WEATHER, PING]
+    constraint = tool_constraint(tools, "required", format="mistral", tokenizer=tok)
+    finished = 0
+    for seed in range(3):
+        tokens = _walk(tok, constraint, seed)
+        if tokens is None:
+            continue
+        finished += 1
+        assert tokens[0] == tok.control_token("[TOOL_CALLS]")
+        body = tokens[:-1]
+        content, calls = parse_tool_calls("", tools, "required", format="mistral", tokens=body, tokenizer=tok)
+        assert content == "" and calls
+        _valid(calls, tools)
+    assert finished >= 1
+
+
+def test_mistral_v11_spelling_is_matched_as_tokens(tekken_v11):
+    tok = tekken_v11
+    args, calls_token = tok.control_token("[ARGS]"), tok.control_token("[TOOL_CALLS]")
+    assert (calls_token, args) == (9, 32)
+    tokens = [calls_token, *tok.encode("get_weather"), args, *tok.encode('{"unit": "c"}'),
+              calls_token, *tok.encode("ping"), args, *tok.encode("{}")]
+    constraint = tool_constraint([WEATHER, PING], "required", format="mistral", tokenizer=tok)
+    info = xgrammar_info(tok.info)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(constraint.spec))
+    assert all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(tok.eos_id)
+    assert parse_tool_calls("", [WEATHER, PING], "required", format="mistral", tokens=tokens, tokenizer=tok)[1] == [
+        ToolCall("get_weather", {"unit": "c"}), ToolCall("ping", {})]
+    spelled = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(constraint.spec))
+    assert not spelled.accept_string("[TOOL_CALLS]")  # the name spelled as text is not the control token
+    one = tool_constraint([WEATHER, PING], "required", format="mistral", tokenizer=tok, parallel_tool_calls=False)
+    single = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(one.spec))
+    first = tokens[:tokens.index(calls_token, 1)]
+    assert all(single.accept_token(t) for t in first) and not single.accept_token(calls_token)
+
+
+@pytest.mark.parametrize("format", ["hermes", "qwen3_coder", "pythonic", "llama3_json"])
+def test_text_families_walk_on_tekken_into_valid_calls(tekken, format):
+    tools = [SHORT, PING]
+    constraint = tool_constraint(tools, "required", format=format, tokenizer=tekken, max_tool_calls=2)
+    finished = 0
+    for seed in range(2):
+        tokens = _walk(tekken, constraint, seed)
+        if tokens is None:
+            continue
+        finished += 1
+        content, calls = parse_tool_calls(tekken.decode(tokens[:-1]), tools, "required", format=format)
+        assert content == "" and 1 <= len(calls) <= 2
+        _valid(calls, tools)
+    assert finished >= 1
+
+
+def test_mistral_auto_dispatches_on_the_control_token(tekken):
+    constraint = tool_constraint([WEATHER], "auto", format="mistral", tokenizer=tekken)
+    info = xgrammar_info(tekken.info)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(constraint.spec))
+    tokens = tekken.encode("Let me check.") + [tekken.control_token("[TOOL_CALLS]")] + tekken.encode(
+        '[{"name": "get_weather", "arguments": {"unit": "f"}}]')
+    assert all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(tekken.eos_id)
+    content, calls = parse_tool_calls("", [WEATHER], "auto", format="mistral", tokens=tokens, tokenizer=tekken)
+    assert content == "Let me check." and calls == [ToolCall("get_weather", {"unit": "f"})]
+    with pytest.raises(ConstraintError, match="needs a tokenizer"):
+        tool_constraint([WEATHER], "auto", format="mistral")
