@@ -12,7 +12,9 @@ from neuron_constrain.structured.engines.xgrammar.grammars import ebnf_accepts
 from neuron_constrain.structured.tool_calls.families import FAMILIES, ToolCall, resolve, write_calls
 
 pytestmark = pytest.mark.torch_agnostic(lane="latest")
-TEXT_FAMILIES = ["hermes", "qwen3_coder", "llama3_json", "pythonic"]
+TEXT_FAMILIES = ["hermes", "qwen3_coder", "llama3_json", "pythonic", "deepseek_v3", "kimi_k2", "harmony"]
+FORMS = {"deepseek_v3.0": "deepseek_v3", "deepseek_v3.1": "deepseek_v3"}  # each form, and the format that reads it
+TEXT_FORMS = [name for name in FAMILIES if not name.startswith("mistral")]
 NAME = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 PARAMETER = st.sampled_from([
@@ -47,10 +49,11 @@ def tools_and_calls(draw):
 
 
 @settings(max_examples=30, deadline=None)
-@given(tools_and_calls(), st.sampled_from(TEXT_FAMILIES), st.sampled_from(["required", "auto"]))
-def test_written_calls_are_accepted_and_parse_back(drawn, format, choice):
+@given(tools_and_calls(), st.sampled_from(TEXT_FORMS), st.sampled_from(["required", "auto"]))
+def test_written_calls_are_accepted_and_parse_back(drawn, form, choice):
+    """Every form's writer -> its format's grammar accepts -> its parser returns the same calls (and the limits)."""
     tools, calls = drawn
-    family = resolve(format)
+    family, format = FAMILIES[form], FORMS.get(form, form)
     if family.arguments == "xml":
         assume(not any("\n</parameter>\n" in str(v) for c in calls for v in c.arguments.values()))
     text = write_calls(family, calls)
@@ -65,7 +68,7 @@ def test_written_calls_are_accepted_and_parse_back(drawn, format, choice):
 
 
 @settings(max_examples=15, deadline=None)
-@given(tools_and_calls(), st.sampled_from(TEXT_FAMILIES), st.text("abc .,!?\n", max_size=20))
+@given(tools_and_calls(), st.sampled_from([f for f in TEXT_FAMILIES if f != "harmony"]), st.text("abc .,!?\n", max_size=20))
 def test_auto_is_free_text_then_calls_to_the_end(drawn, format, prose):
     tools, calls = drawn
     family = resolve(format)
@@ -121,6 +124,29 @@ def test_whitespace_cap_is_configurable():
     assert not ebnf_accepts(tool_constraint([WEATHER], "required", format="hermes").spec, text)  # 2 by default
     trailing = '{"name": "get_weather", "parameters": {"city": "Paris"}}     '
     assert not ebnf_accepts(tool_constraint([WEATHER], "required", format="llama3_json").spec, trailing)
+
+
+def test_harmony_auto_is_the_final_channel_or_calls():
+    auto = tool_constraint([WEATHER], "auto", format="harmony")
+    call = write_calls(FAMILIES["harmony"], [ToolCall("get_weather", {"city": "Oslo"})])
+    assert call == '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
+    assert ebnf_accepts(auto.spec, call) and ebnf_accepts(auto.spec, "<|channel|>final<|message|>It is sunny.")
+    assert not ebnf_accepts(auto.spec, "It is sunny.")
+    assert parse_tool_calls("<|channel|>final<|message|>It is sunny.", [WEATHER], "auto", format="harmony") == (
+        "It is sunny.", [])
+
+
+def test_deepseek_v3_accepts_and_reads_both_forms():
+    constraint = tool_constraint([WEATHER], "required", format="deepseek_v3")
+    for form in ("deepseek_v3.0", "deepseek_v3.1"):
+        text = write_calls(FAMILIES[form], [ToolCall("get_weather", {"city": "Oslo"})])
+        assert ebnf_accepts(constraint.spec, text)
+        assert parse_tool_calls(text, [WEATHER], "required", format="deepseek_v3")[1] == [ToolCall("get_weather", {"city": "Oslo"})]
+    v30 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+           '{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert write_calls(FAMILIES["deepseek_v3.0"], [ToolCall("get_weather", {"city": "Oslo"})]) == v30
+    mixed = v30.replace("<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    assert not ebnf_accepts(constraint.spec, mixed)  # one form per answer
 
 
 def test_tools_with_response_format_is_calls_or_the_schema():

@@ -43,7 +43,8 @@ class ToolFamily:
         models: the models that write it (the guide's table).
         arguments: ``"json"`` (one JSON object), ``"xml"`` (``<parameter=P>`` blocks, values typed by
             the schema) or ``"python"`` (keyword arguments, Python literals).
-        call_open: the text before a call's arguments; ``{name}`` is the tool's name.
+        call_open: the text before a call's arguments; ``{name}`` is the tool's name, ``{index}`` the
+            call's number in the answer (digits; Kimi's ``functions.NAME:IDX``).
         call_close: the text after them.
         name_style: ``"json"`` (a JSON string) or ``"raw"`` (the name as it is).
         separator: between two calls.
@@ -52,6 +53,8 @@ class ToolFamily:
         optional_space: a space may follow ``section_open`` (sentencepiece writes ``"▁["``).
         call_id: a call may end with mistral's ``, "id": "<9 letters or digits>"``.
         trigger: what starts the calls under ``tool_choice="auto"``.
+        content_open: what starts an answer that is text, not calls (harmony's final channel): ``auto``
+            is then that and free text, or the calls.
         controls: the names matched as control tokens where the tokenizer has them.
         required_controls: the control tokens without which the family is refused.
     """
@@ -69,6 +72,7 @@ class ToolFamily:
     optional_space: bool = False
     call_id: bool = False
     trigger: str = ""
+    content_open: str = ""
     controls: tuple[str, ...] = ()
     required_controls: tuple[str, ...] = ()
 
@@ -83,7 +87,16 @@ class ToolFamily:
         """
         return json.dumps(name, ensure_ascii=False) if self.name_style == "json" else name
 
+    def opening_parts(self) -> list[str]:
+        """``call_open`` as literal texts and the placeholders ``"{name}"`` / ``"{index}"``, in order."""
+        text = self.call_open.replace("{{", "\1").replace("}}", "\2")
+        parts = re.split(r"(\{name\}|\{index\})", text)
+        return [part.replace("\1", "{").replace("\2", "}") for part in parts if part]
 
+
+_DS = "<｜"  # DeepSeek's tags open with a full-width bar
+_DS_CONTROLS = tuple(f"{_DS}{name}｜>" for name in ("tool▁calls▁begin", "tool▁calls▁end", "tool▁call▁begin",
+                                                    "tool▁call▁end", "tool▁sep"))
 FAMILIES = {
     family.name: family for family in (
         ToolFamily("hermes", "Qwen 2.5, Qwen 3, Hermes 2/3, SmolLM3", "json",
@@ -105,10 +118,32 @@ FAMILIES = {
         ToolFamily("mistral_v11", "Mistral tokenizers v11+ (Magistral, Small 3.2, Devstral)", "json",
                    "[TOOL_CALLS]{name}[ARGS]", "", name_style="raw", trigger="[TOOL_CALLS]",
                    controls=("[TOOL_CALLS]", "[ARGS]"), required_controls=("[TOOL_CALLS]", "[ARGS]")),
+        ToolFamily("deepseek_v3.1", "DeepSeek V3.1, V3.2 (non-thinking)", "json",
+                   f"{_DS}tool▁call▁begin｜>{{name}}{_DS}tool▁sep｜>", f"{_DS}tool▁call▁end｜>", name_style="raw",
+                   section_open=f"{_DS}tool▁calls▁begin｜>", section_close=f"{_DS}tool▁calls▁end｜>",
+                   trigger=f"{_DS}tool▁calls▁begin｜>", controls=_DS_CONTROLS),
+        ToolFamily("deepseek_v3.0", "DeepSeek V3 (0324), R1 (0528)", "json",
+                   f"{_DS}tool▁call▁begin｜>function{_DS}tool▁sep｜>{{name}}\n```json\n",
+                   f"\n```{_DS}tool▁call▁end｜>", name_style="raw", separator="\n",
+                   section_open=f"{_DS}tool▁calls▁begin｜>", section_close=f"{_DS}tool▁calls▁end｜>",
+                   trigger=f"{_DS}tool▁calls▁begin｜>", controls=_DS_CONTROLS),
+        ToolFamily("kimi_k2", "Kimi K2", "json",
+                   "<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                   name_style="raw", section_open="<|tool_calls_section_begin|>",
+                   section_close="<|tool_calls_section_end|>", trigger="<|tool_calls_section_begin|>",
+                   controls=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                             "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+        ToolFamily("harmony", "gpt-oss", "json",
+                   "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", "<|call|>",
+                   name_style="raw", separator="<|start|>assistant", trigger="<|channel|>commentary to=",
+                   content_open="<|channel|>final<|message|>",
+                   controls=("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|start|>")),
     )
 }
 ALIASES = {"llama3": "llama3_json"}
-TOOL_FORMATS = ("json", "mistral", "hermes", "llama3", "llama3_json", "qwen3_coder", "pythonic")
+FORMS = {"deepseek_v3": ("deepseek_v3.1", "deepseek_v3.0")}  # one name, either form accepted and read
+TOOL_FORMATS = ("json", "mistral", "hermes", "llama3", "llama3_json", "qwen3_coder", "pythonic", "deepseek_v3",
+                "kimi_k2", "harmony")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -135,9 +170,25 @@ def resolve(format: str, tokenizer=None) -> ToolFamily | None:
         raise ConstraintError(f"tool-call format {format!r} is not one of {TOOL_FORMATS}")
     if format == "json":
         return None
+    return forms(format, tokenizer)[0]
+
+
+def forms(format: str, tokenizer=None) -> tuple[ToolFamily, ...]:
+    """Every form a ``TOOL_FORMATS`` name accepts (``deepseek_v3``: V3.1's and V3's; others: one), the one its
+    writer writes first.
+
+    Args:
+        format: one of ``TOOL_FORMATS`` other than ``"json"``.
+        tokenizer: as :func:`resolve`.
+
+    Returns:
+        The families.
+    """
     if format == "mistral" and control(tokenizer, "[ARGS]") is not None:
-        return FAMILIES["mistral_v11"]
-    return FAMILIES[ALIASES.get(format, format)]
+        return (FAMILIES["mistral_v11"],)
+    if format in FORMS:
+        return tuple(FAMILIES[name] for name in FORMS[format])
+    return (FAMILIES[ALIASES.get(format, format)],)
 
 
 def tool_functions(tools: Sequence[dict]) -> dict[str, dict]:
@@ -186,7 +237,7 @@ def python_value(value) -> str:
     return repr(value)
 
 
-def write_call(family: ToolFamily, call: ToolCall) -> str:
+def write_call(family: ToolFamily, call: ToolCall, index: int = 0) -> str:
     """One call as the family's model writes it (control tokens spelled as their names)."""
     if family.arguments == "json":
         body = json.dumps(call.arguments, ensure_ascii=False)
@@ -194,7 +245,7 @@ def write_call(family: ToolFamily, call: ToolCall) -> str:
         body = "".join(f"<parameter={key}>\n{xml_value(value)}\n</parameter>\n" for key, value in call.arguments.items())
     else:
         body = ", ".join(f"{key}={python_value(value)}" for key, value in call.arguments.items())
-    return family.call_open.format(name=family.spelled(call.name)) + body + family.call_close
+    return family.call_open.format(name=family.spelled(call.name), index=index) + body + family.call_close
 
 
 def write_calls(family: ToolFamily, calls: Sequence[ToolCall]) -> str:
@@ -209,4 +260,5 @@ def write_calls(family: ToolFamily, calls: Sequence[ToolCall]) -> str:
         The text, control tokens spelled as their names.
     """
     opening = "" if family.optional_open else family.section_open  # the template writes no optional opening
-    return opening + family.separator.join(write_call(family, c) for c in calls) + family.section_close
+    written = family.separator.join(write_call(family, call, index) for index, call in enumerate(calls))
+    return opening + written + family.section_close

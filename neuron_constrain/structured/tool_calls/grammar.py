@@ -61,9 +61,14 @@ class _Builder:
                           for name, parameters in functions.items()}
 
     def call(self, name: str) -> list[dict]:
-        family = self.family
-        opening = family.call_open.replace("{name}", "\0").replace("{{", "{").replace("}}", "}")
-        elements = _pieces(opening.replace("\0", family.spelled(name)), family, self.tokenizer)
+        family, elements, text = self.family, [], ""
+        for part in family.opening_parts() + [None]:
+            if part == "{index}" or part is None:
+                elements += _pieces(text, family, self.tokenizer) if text else []
+                elements += [{"type": "regex", "pattern": "0|[1-9][0-9]*"}] if part else []
+                text = ""
+            else:
+                text += family.spelled(name) if part == "{name}" else part
         elements.append(self.arguments[name])
         if family.call_id:
             elements.append({"type": "optional", "content": _seq([
@@ -91,12 +96,26 @@ class _Builder:
             elements += _pieces(family.section_close, family, self.tokenizer)
         return _seq([e for e in elements if e.get("value", None) != ""])
 
-    def auto(self, names: list[str], high: int | None) -> dict:
-        """Free text (never the trigger) until the trigger, then calls to the end."""
-        trigger = self.family.trigger
-        token = F.control(self.tokenizer, trigger) if trigger in self.family.controls else None
-        free = {"type": "any_text", "excludes": [] if token is not None else [trigger]}
-        return {"type": "sequence", "elements": [free, {"type": "optional", "content": self.section(names, 1, high)}]}
+    def free_text(self) -> dict:
+        """Text that never holds the trigger (a trigger that opens with a control token the vocabulary has
+        cannot be text: no exclusion needed)."""
+        first = _pieces(self.family.trigger, self.family, self.tokenizer)[0]
+        return {"type": "any_text", "excludes": [] if first["type"] == "token" else [self.family.trigger]}
+
+
+def _forms_section(builders: list[_Builder], names: list[str], low: int, high: int | None) -> dict:
+    return _any_of([builder.section(names, low, high) for builder in builders])
+
+
+def _auto(builders: list[_Builder], names: list[str], high: int | None) -> dict:
+    """Free text until the trigger, then calls to the end; a family whose text answers open with their own
+    tag (``content_open``) writes that tag and text, or the calls."""
+    family, calls = builders[0].family, _forms_section(builders, names, 1, high)
+    free = builders[0].free_text()
+    if family.content_open:
+        opening = _pieces(family.content_open, family, builders[0].tokenizer)
+        return {"type": "or", "elements": [_seq(opening + [free]), calls]}
+    return {"type": "sequence", "elements": [free, {"type": "optional", "content": calls}]}
 
 
 def _limit(parallel_tool_calls: bool, max_tool_calls) -> int | None:
@@ -162,17 +181,17 @@ def tool_constraint(
             raise ConstraintError(
                 f'format="{format}" needs a tokenizer with the {needed} control token: pass '
                 "tokenizer=from_mistral(...) (Tekken, sentencepiece v3+) or choose another format")
-    builder = _Builder(family, functions, tokenizer, whitespace)
+    builders = [_Builder(form, functions, tokenizer, whitespace) for form in F.forms(format, tokenizer)]
     names = [named] if named else list(functions)
     if named:
-        body = builder.section(names, 1, 1)
+        body = _forms_section(builders, names, 1, 1)
     elif tool_choice == "required":
-        body = builder.section(names, 1, high)
+        body = _forms_section(builders, names, 1, high)
     elif response_format is not None:
-        body = {"type": "or", "elements": [builder.section(names, 1, high),
+        body = {"type": "or", "elements": [_forms_section(builders, names, 1, high),
                                            json_arguments("response_format", response_format, whitespace)]}
     else:
-        body = builder.auto(names, high)
+        body = _auto(builders, names, high)
     return _constraint(body, family.name, functions, tool_choice, format, high, response_format, whitespace)
 
 

@@ -84,6 +84,30 @@ def _xml_arguments(text: str, at: int, parameters: dict) -> tuple[dict, int]:
     return arguments, at
 
 
+def _read_opening(family: F.ToolFamily, parts: list[str], text: str, at: int) -> tuple[str, int]:
+    """A call's opening from ``at``: its literal parts, the tool's name and index (digits); ``(name, end)``."""
+    name = None
+    for index, part in enumerate(parts):
+        if part == "{index}":
+            match = re.compile(r"[0-9]+").match(text, at)
+            if match is None:
+                raise ValueError(f"no call index at {at}")
+            at = match.end()
+        elif part == "{name}" and family.name_style == "json":
+            name, at = _DECODER.raw_decode(text, at)
+            if not isinstance(name, str):
+                raise ValueError("a tool's name is not a string")
+        elif part == "{name}":
+            following = parts[index + 1] if index + 1 < len(parts) else None
+            end = text.find(following, at) if following not in (None, "{index}") else -1
+            if end < 0:
+                raise ValueError(f"no {following!r} after the tool's name")
+            name, at = text[at:end], end
+        else:
+            at = _expect(text, at, part)
+    return name, at
+
+
 def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> tuple[list[ToolCall], int]:
     """The calls written from ``at`` on, and where they end.
 
@@ -102,21 +126,10 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> t
     at = _opening(family, text, at)
     if family.arguments == "python":
         return _python_section(family, text, at - len(family.section_open), functions)
-    before, _, after = family.call_open.replace("{{", "{").replace("}}", "}").partition("{name}")
-    calls = []
+    parts, calls = family.opening_parts(), []
     while True:
-        at = _expect(text, at, before)
-        if family.name_style == "json":
-            name, at = _DECODER.raw_decode(text, at)
-            if not isinstance(name, str):
-                raise ValueError("a tool's name is not a string")
-        else:
-            end = text.find(after, at)
-            if end < 0:
-                raise ValueError(f"no {after!r} after the tool's name")
-            name, at = text[at:end], end
+        name, at = _read_opening(family, parts, text, at)
         _known(name, functions)
-        at = _expect(text, at, after)
         if family.arguments == "json":
             arguments, at = _DECODER.raw_decode(text, at)
             if not isinstance(arguments, dict):
@@ -127,7 +140,7 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> t
             at = match.end()
         at = _expect(text, at, family.call_close.replace("{{", "{").replace("}}", "}"))
         calls.append(ToolCall(name, arguments))
-        if not text.startswith(family.separator + before, at):
+        if not text.startswith(family.separator + parts[0], at):
             break
         at += len(family.separator)
     return calls, _expect(text, at, family.section_close)
@@ -164,6 +177,8 @@ def parse_family(family: F.ToolFamily, text: str, functions: dict, forced: bool)
             raise ValueError(f"text after the calls: {stripped[end:end + 40]!r}")
         return "", calls
     kept, calls, at = [], [], 0
+    if family.content_open and text.startswith(family.content_open):
+        at = len(family.content_open)  # harmony's final channel: the text answer
     while (start := _starts(family, text, at)) >= 0:
         try:
             found, end = read_section(family, text, start, functions)
@@ -265,10 +280,16 @@ def parse_tool_calls(
     forced = tool_choice == "required" or F.named_tool(tool_choice) is not None
     if family is None:
         return _parse_json(text, functions, forced)
-    try:
-        return parse_family(family, text, functions, forced)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"the answer is not {family.name} calls to {sorted(functions)} ({error})") from None
+    failures = []
+    for form in F.forms(format, tokenizer):
+        try:
+            content, calls = parse_family(form, text, functions, forced)
+        except (ValueError, json.JSONDecodeError) as error:
+            failures.append(f"{form.name}: {error}")
+            continue
+        if calls or form is F.forms(format, tokenizer)[-1]:
+            return content, calls
+    raise ValueError(f"the answer is not {format} calls to {sorted(functions)} ({'; '.join(failures)})")
 
 
 def check_answer(text: str, functions: dict, tool_choice, *, format: str, max_calls: int | None = None,
