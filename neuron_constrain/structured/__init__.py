@@ -57,7 +57,7 @@ from neuron_constrain.structured.tokenizers import (
     from_mistral,
     mistral_data_file,
 )
-from neuron_constrain.structured.tools import TOOL_FORMATS, ToolCall, parse_tool_calls, tool_constraint
+from neuron_constrain.structured.tools import TOOL_FORMATS, ToolCall, ToolCallStream, parse_tool_calls, tool_constraint
 from neuron_constrain.structured.validation import validate_output
 
 __all__ = [
@@ -86,6 +86,7 @@ __all__ = [
     "GenerateResult",
     "Reasoning",
     "ToolCall",
+    "ToolCallStream",
     "json_schema",
     "any_json",
     "regex",

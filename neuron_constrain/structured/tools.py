@@ -3,5 +3,6 @@
 from neuron_constrain.structured.tool_calls.families import TOOL_FORMATS, ToolCall
 from neuron_constrain.structured.tool_calls.grammar import tool_constraint
 from neuron_constrain.structured.tool_calls.parse import parse_tool_calls
+from neuron_constrain.structured.tool_calls.stream import ToolCallStream
 
-__all__ = ["TOOL_FORMATS", "ToolCall", "parse_tool_calls", "tool_constraint"]
+__all__ = ["TOOL_FORMATS", "ToolCall", "ToolCallStream", "parse_tool_calls", "tool_constraint"]

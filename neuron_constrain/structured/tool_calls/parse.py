@@ -108,7 +108,8 @@ def _read_opening(family: F.ToolFamily, parts: list[str], text: str, at: int) ->
     return name, at
 
 
-def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> tuple[list[ToolCall], int]:
+def read_section(family: F.ToolFamily, text: str, at: int, functions: dict,
+                 progress: list | None = None) -> tuple[list[ToolCall], int]:
     """The calls written from ``at`` on, and where they end.
 
     Args:
@@ -116,6 +117,8 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> t
         text: the answer, control tokens spelled as their names.
         at: where the calls begin (the section's opening, or the first call's).
         functions: ``{name: parameters}``.
+        progress: a list the reader appends to as it goes (the streaming parser reads it when the text
+            ends early): each call's name once its opening is read, then the call once it is whole.
 
     Returns:
         ``(calls, end)``.
@@ -125,11 +128,16 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> t
     """
     at = _opening(family, text, at)
     if family.arguments == "python":
-        return _python_section(family, text, at - len(family.section_open), functions)
+        calls, end = _python_section(family, text, at - len(family.section_open), functions)
+        if progress is not None:
+            progress.extend(calls)
+        return calls, end
     parts, calls = family.opening_parts(), []
     while True:
         name, at = _read_opening(family, parts, text, at)
         _known(name, functions)
+        if progress is not None:
+            progress.append(name)
         if family.arguments == "json":
             arguments, at = _DECODER.raw_decode(text, at)
             if not isinstance(arguments, dict):
@@ -140,6 +148,8 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> t
             at = match.end()
         at = _expect(text, at, family.call_close.replace("{{", "{").replace("}}", "}"))
         calls.append(ToolCall(name, arguments))
+        if progress is not None:
+            progress.append(calls[-1])
         if not text.startswith(family.separator + parts[0], at):
             break
         at += len(family.separator)
