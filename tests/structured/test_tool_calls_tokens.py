@@ -130,3 +130,45 @@ def test_mistral_auto_dispatches_on_the_control_token(tekken):
     assert content == "Let me check." and calls == [ToolCall("get_weather", {"unit": "f"})]
     with pytest.raises(ConstraintError, match="needs a tokenizer"):
         tool_constraint([WEATHER], "auto", format="mistral")
+
+
+SPECIAL = {  # each family's control tokens, special as that model's tokenizer defines them
+    "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    "harmony": ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|start|>"],
+    "llama3_json": ["<|python_tag|>"],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_with_controls():
+    """SmolLM2's tokenizer with the control tokens of Kimi K2, gpt-oss (harmony) and Llama 3 added as special."""
+    from transformers import AutoTokenizer
+
+    from neuron_constrain.models import smollm2_dir
+    from neuron_constrain.structured import from_huggingface
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir()))
+    hf.add_special_tokens({"additional_special_tokens": [t for names in SPECIAL.values() for t in names]})
+    return hf, from_huggingface(hf)
+
+
+@pytest.mark.parametrize("format", ["kimi_k2", "harmony", "llama3_json"])
+def test_control_tokens_are_matched_as_tokens(smollm2_with_controls, format):
+    hf, tok = smollm2_with_controls
+    assert all(tok.control_token(name) is not None for name in SPECIAL[format])
+    from neuron_constrain.structured.tool_calls.families import FAMILIES, write_calls
+
+    calls = [ToolCall("get_weather", {"unit": "c", "days": 2}), ToolCall("ping", {})]
+    text = write_calls(FAMILIES[format], calls)
+    if format == "llama3_json":
+        text = "<|python_tag|>" + text
+    tokens = hf.encode(text)
+    assert {tok.control_token(name) for name in SPECIAL[format]} & set(tokens)
+    constraint = tool_constraint([SHORT, PING], "required", format=format, tokenizer=tok)
+    info = xgrammar_info(tok.info)
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(constraint.spec))
+    assert all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(tok.eos_id)
+    assert not xgr.GrammarMatcher(compiler.compile_grammar(constraint.spec)).accept_string(text[:12])  # spelled as text
+    assert parse_tool_calls("", [SHORT, PING], "required", format=format, tokens=tokens, tokenizer=tok) == ("", calls)
