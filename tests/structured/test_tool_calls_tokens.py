@@ -172,3 +172,26 @@ def test_control_tokens_are_matched_as_tokens(smollm2_with_controls, format):
     assert all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(tok.eos_id)
     assert not xgr.GrammarMatcher(compiler.compile_grammar(constraint.spec)).accept_string(text[:12])  # spelled as text
     assert parse_tool_calls("", [SHORT, PING], "required", format=format, tokens=tokens, tokenizer=tok) == ("", calls)
+
+
+@pytest.mark.parametrize("version", ["v7", "v11"])
+def test_mistral_tokens_stream_into_the_whole_parsers_calls(tekken, tekken_v11, version):
+    """Generated tokens, spelled with their control tokens (``spelled_text``), fed token by token to the stream."""
+    from neuron_constrain.structured import ToolCallStream
+    from neuron_constrain.structured.tool_calls.families import FAMILIES, write_calls
+    from neuron_constrain.structured.tool_calls.parse import spelled_text
+    from neuron_constrain.structured.tool_calls.stream import assembled
+
+    tok = tekken if version == "v7" else tekken_v11
+    family = FAMILIES["mistral" if version == "v7" else "mistral_v11"]
+    calls = [ToolCall("get_weather", {"unit": "c", "days": 1}), ToolCall("ping", {})]
+    tokens = tok.encode("Sure. ")
+    for piece in write_calls(family, calls).replace("[TOOL_CALLS]", "\0[TOOL_CALLS]\0").replace(
+            "[ARGS]", "\0[ARGS]\0").split("\0"):
+        tokens += [tok.control_token(piece)] if piece in ("[TOOL_CALLS]", "[ARGS]") else tok.encode(piece)
+    stream, deltas = ToolCallStream([SHORT, PING], "auto", format="mistral", tokenizer=tok), []
+    for end in range(1, len(tokens) + 1):  # each step: the text the tokens so far spell, less what was fed
+        deltas += stream.feed(spelled_text(tokens[:end], tok, family)[len(stream.text):])
+    deltas += stream.finish()
+    whole = parse_tool_calls("", [SHORT, PING], "auto", format="mistral", tokens=tokens, tokenizer=tok)
+    assert assembled(deltas) == whole == ("Sure.", calls)
