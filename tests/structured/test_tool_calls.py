@@ -212,3 +212,14 @@ def test_parsed_calls_are_valid_against_the_tools():
     jsonschema.validate(calls[0].arguments, WEATHER["function"]["parameters"])
     with pytest.raises(ValueError, match="not one of the tools"):
         parse_tool_calls("[other(a=1)]", [WEATHER], "required", format="pythonic")
+
+
+def test_hermes_auto_also_reads_blocks_that_drift_from_the_template():
+    """Today's reading kept: whitespace around the JSON, keys in any order, arguments as a JSON string."""
+    text = ('Sure. <tool_call> {"arguments": "{\\"city\\": \\"Oslo\\"}", "name": "get_weather"} </tool_call> '
+            "<tool_call>not json</tool_call>")
+    content, calls = parse_tool_calls(text, [WEATHER], "auto", format="hermes")
+    assert calls == [ToolCall("get_weather", {"city": "Oslo"})] and content == "Sure.  <tool_call>not json</tool_call>"
+    assert not ebnf_accepts(tool_constraint([WEATHER], "auto", format="hermes").spec, text)  # the grammar: the template's
+    with pytest.raises(ValueError):
+        parse_tool_calls(text[6:], [WEATHER], "required", format="hermes")  # forced answers are read strictly

@@ -55,6 +55,8 @@ class ToolFamily:
         trigger: what starts the calls under ``tool_choice="auto"``.
         content_open: what starts an answer that is text, not calls (harmony's final channel): ``auto``
             is then that and free text, or the calls.
+        loose: a pattern the parser also reads under ``auto`` (group 1: a JSON call object), for models
+            that drift from their template; never what the grammar writes.
         controls: the names matched as control tokens where the tokenizer has them.
         required_controls: the control tokens without which the family is refused.
     """
@@ -73,6 +75,7 @@ class ToolFamily:
     call_id: bool = False
     trigger: str = ""
     content_open: str = ""
+    loose: str = ""
     controls: tuple[str, ...] = ()
     required_controls: tuple[str, ...] = ()
 
@@ -101,7 +104,8 @@ FAMILIES = {
     family.name: family for family in (
         ToolFamily("hermes", "Qwen 2.5, Qwen 3, Hermes 2/3, SmolLM3", "json",
                    '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", separator="\n",
-                   trigger="<tool_call>", controls=("<tool_call>", "</tool_call>")),
+                   trigger="<tool_call>", loose=r"<tool_call>\s*(.*?)\s*</tool_call>",
+                   controls=("<tool_call>", "</tool_call>")),
         ToolFamily("qwen3_coder", "Qwen3-Coder, Qwen3-Next", "xml",
                    "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>", name_style="raw",
                    separator="\n", trigger="<tool_call>", controls=("<tool_call>", "</tool_call>")),

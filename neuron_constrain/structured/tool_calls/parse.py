@@ -193,6 +193,8 @@ def parse_family(family: F.ToolFamily, text: str, functions: dict, forced: bool)
         try:
             found, end = read_section(family, text, start, functions)
         except (ValueError, json.JSONDecodeError):
+            found, end = _loose(family, text, start, functions)
+        if not found:
             kept.append(text[at:start + 1])
             at = start + 1
             continue
@@ -201,6 +203,21 @@ def parse_family(family: F.ToolFamily, text: str, functions: dict, forced: bool)
         at = end
     kept.append(text[at:])
     return "".join(kept).strip(), calls
+
+
+def _loose(family: F.ToolFamily, text: str, at: int, functions: dict) -> tuple[list[ToolCall], int]:
+    """Under ``auto``, a block the family's ``loose`` pattern reads (``hermes``: any whitespace around the JSON,
+    its keys in any order, arguments as a JSON string): ``([call], end)``, or ``([], at)``."""
+    match = re.compile(family.loose, re.DOTALL).match(text, at) if family.loose else None
+    call = _as_call(_loads(match.group(1)), functions) if match else None
+    return ([call], match.end()) if call else ([], at)
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _as_call(value, functions: dict) -> ToolCall | None:
