@@ -95,6 +95,12 @@ def test_mistral_v11_spelling_is_matched_as_tokens(tekken_v11):
     assert all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(tok.eos_id)
     assert parse_tool_calls("", [WEATHER, PING], "required", format="mistral", tokens=tokens, tokenizer=tok)[1] == [
         ToolCall("get_weather", {"unit": "c"}), ToolCall("ping", {})]
+    call_id = tok.control_token("[CALL_ID]")  # v13 writes [CALL_ID] and 9 letters or digits after the name
+    with_id = tokens[:tokens.index(args)] + [call_id, *tok.encode("a1B2c3D4e")] + tokens[tokens.index(args):]
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(constraint.spec))
+    assert all(matcher.accept_token(t) for t in with_id) and matcher.accept_token(tok.eos_id)
+    assert parse_tool_calls("", [WEATHER, PING], "required", format="mistral", tokens=with_id, tokenizer=tok)[1] == [
+        ToolCall("get_weather", {"unit": "c"}), ToolCall("ping", {})]
     spelled = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(constraint.spec))
     assert not spelled.accept_string("[TOOL_CALLS]")  # the name spelled as text is not the control token
     one = tool_constraint([WEATHER, PING], "required", format="mistral", tokenizer=tok, parallel_tool_calls=False)

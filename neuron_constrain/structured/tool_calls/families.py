@@ -44,7 +44,8 @@ class ToolFamily:
         arguments: ``"json"`` (one JSON object), ``"xml"`` (``<parameter=P>`` blocks, values typed by
             the schema) or ``"python"`` (keyword arguments, Python literals).
         call_open: the text before a call's arguments; ``{name}`` is the tool's name, ``{index}`` the
-            call's number in the answer (digits; Kimi's ``functions.NAME:IDX``).
+            call's number in the answer (digits; Kimi's ``functions.NAME:IDX``), ``{call_id}`` an optional
+            ``[CALL_ID]`` and 9 letters or digits (Mistral v13), where the vocabulary has ``[CALL_ID]``.
         call_close: the text after them.
         name_style: ``"json"`` (a JSON string) or ``"raw"`` (the name as it is).
         separator: between two calls.
@@ -91,9 +92,9 @@ class ToolFamily:
         return json.dumps(name, ensure_ascii=False) if self.name_style == "json" else name
 
     def opening_parts(self) -> list[str]:
-        """``call_open`` as literal texts and the placeholders ``"{name}"`` / ``"{index}"``, in order."""
+        """``call_open`` as literal texts and the placeholders ``"{name}"`` / ``"{index}"`` / ``"{call_id}"``."""
         text = self.call_open.replace("{{", "\1").replace("}}", "\2")
-        parts = re.split(r"(\{name\}|\{index\})", text)
+        parts = re.split(r"(\{name\}|\{index\}|\{call_id\})", text)
         return [part.replace("\1", "{").replace("\2", "}") for part in parts if part]
 
 
@@ -120,8 +121,8 @@ FAMILIES = {
                    section_close="]", optional_space=True, call_id=True, trigger="[TOOL_CALLS]",
                    controls=("[TOOL_CALLS]",), required_controls=("[TOOL_CALLS]",)),
         ToolFamily("mistral_v11", "Mistral tokenizers v11+ (Magistral, Small 3.2, Devstral)", "json",
-                   "[TOOL_CALLS]{name}[ARGS]", "", name_style="raw", trigger="[TOOL_CALLS]",
-                   controls=("[TOOL_CALLS]", "[ARGS]"), required_controls=("[TOOL_CALLS]", "[ARGS]")),
+                   "[TOOL_CALLS]{name}{call_id}[ARGS]", "", name_style="raw", trigger="[TOOL_CALLS]",
+                   controls=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), required_controls=("[TOOL_CALLS]", "[ARGS]")),
         ToolFamily("deepseek_v3.1", "DeepSeek V3.1, V3.2 (non-thinking)", "json",
                    f"{_DS}tool▁call▁begin｜>{{name}}{_DS}tool▁sep｜>", f"{_DS}tool▁call▁end｜>", name_style="raw",
                    section_open=f"{_DS}tool▁calls▁begin｜>", section_close=f"{_DS}tool▁calls▁end｜>",
@@ -249,7 +250,8 @@ def write_call(family: ToolFamily, call: ToolCall, index: int = 0) -> str:
         body = "".join(f"<parameter={key}>\n{xml_value(value)}\n</parameter>\n" for key, value in call.arguments.items())
     else:
         body = ", ".join(f"{key}={python_value(value)}" for key, value in call.arguments.items())
-    return family.call_open.format(name=family.spelled(call.name), index=index) + body + family.call_close
+    opening = family.call_open.format(name=family.spelled(call.name), index=index, call_id="")
+    return opening + body + family.call_close
 
 
 def write_calls(family: ToolFamily, calls: Sequence[ToolCall]) -> str:

@@ -63,19 +63,28 @@ class _Builder:
     def call(self, name: str) -> list[dict]:
         family, elements, text = self.family, [], ""
         for part in family.opening_parts() + [None]:
-            if part == "{index}" or part is None:
+            if part in ("{index}", "{call_id}", None):
                 elements += _pieces(text, family, self.tokenizer) if text else []
-                elements += [{"type": "regex", "pattern": "0|[1-9][0-9]*"}] if part else []
+                elements += [self._placeholder(part)] if part else []
                 text = ""
             else:
                 text += family.spelled(name) if part == "{name}" else part
-        elements.append(self.arguments[name])
+        elements = [e for e in elements if e.get("value", None) != ""] + [self.arguments[name]]
         if family.call_id:
             elements.append({"type": "optional", "content": _seq([
                 {"type": "const_string", "value": ', "id": '},
                 {"type": "json_schema", "json_schema": _MISTRAL_ID}])})
         elements += _pieces(family.call_close, family, self.tokenizer)
         return elements
+
+    def _placeholder(self, part: str) -> dict:
+        if part == "{index}":
+            return {"type": "regex", "pattern": "0|[1-9][0-9]*"}
+        token = F.control(self.tokenizer, "[CALL_ID]")
+        if token is None:
+            return {"type": "const_string", "value": ""}
+        return {"type": "optional", "content": _seq([{"type": "token", "token": token},
+                                                     {"type": "regex", "pattern": "[a-zA-Z0-9]{9}"}])}
 
     def section(self, names: list[str], low: int, high: int | None) -> dict:
         """``low`` to ``high`` calls (None: no bound) of ``names``."""

@@ -85,10 +85,14 @@ def _xml_arguments(text: str, at: int, parameters: dict) -> tuple[dict, int]:
 
 
 def _read_opening(family: F.ToolFamily, parts: list[str], text: str, at: int) -> tuple[str, int]:
-    """A call's opening from ``at``: its literal parts, the tool's name and index (digits); ``(name, end)``."""
+    """A call's opening from ``at``: its literal parts, the tool's name, index (digits) and optional Mistral
+    call id; ``(name, end)``."""
     name = None
     for index, part in enumerate(parts):
-        if part == "{index}":
+        if part == "{call_id}":
+            match = re.compile(r"\[CALL_ID\][a-zA-Z0-9]{9}").match(text, at)
+            at = match.end() if match else at
+        elif part == "{index}":
             match = re.compile(r"[0-9]+").match(text, at)
             if match is None:
                 raise ValueError(f"no call index at {at}")
@@ -98,10 +102,12 @@ def _read_opening(family: F.ToolFamily, parts: list[str], text: str, at: int) ->
             if not isinstance(name, str):
                 raise ValueError("a tool's name is not a string")
         elif part == "{name}":
-            following = parts[index + 1] if index + 1 < len(parts) else None
+            following = next((p for p in parts[index + 1:] if p != "{call_id}"), None)
             end = text.find(following, at) if following not in (None, "{index}") else -1
             if end < 0:
                 raise ValueError(f"no {following!r} after the tool's name")
+            if "{call_id}" in parts[index + 1:] and "[CALL_ID]" in text[at:end]:
+                end = text.index("[CALL_ID]", at)
             name, at = text[at:end], end
         else:
             at = _expect(text, at, part)
