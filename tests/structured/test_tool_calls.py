@@ -2,6 +2,7 @@
 limits and refusals. Host-only: grammars are matched as text (``ebnf_accepts``); the token-level tests on
 Tekken are in ``test_tool_calls_tokens.py``."""
 import json
+import keyword
 
 import jsonschema
 import pytest
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.torch_agnostic(lane="latest")
 TEXT_FAMILIES = ["hermes", "qwen3_coder", "llama3_json", "pythonic", "deepseek_v3", "kimi_k2", "harmony"]
 FORMS = {"deepseek_v3.0": "deepseek_v3", "deepseek_v3.1": "deepseek_v3"}  # each form, and the format that reads it
 TEXT_FORMS = [name for name in FAMILIES if not name.startswith("mistral")]
-NAME = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
+NAME = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True).filter(lambda name: not keyword.iskeyword(name))
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 PARAMETER = st.sampled_from([
     ({"type": "string"}, TEXT),
@@ -198,7 +199,24 @@ def test_bare_names_must_be_identifiers_and_options_are_checked():
     odd = {"type": "function", "function": {"name": "get-weather", "parameters": {"type": "object"}}}
     with pytest.raises(ConstraintError, match="identifier"):
         tool_constraint([odd], "required", format="pythonic")
+    for name, key in (("f", "from"), ("f", "a-b"), ("class", "x")):  # ast would not read `from=1` or `class(...)`
+        tool = {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {key: {"type": "integer"}}}}}
+        with pytest.raises(ConstraintError, match="identifier"):
+            tool_constraint([tool], "required", format="pythonic")
+    xml = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a>b": {"type": "integer"}}}}}
+    with pytest.raises(ConstraintError, match="parameter=NAME"):
+        tool_constraint([xml], "required", format="qwen3_coder")
+    emails = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"to": {"type": "string", "format": "email"}}}}}
+    with pytest.raises(ConstraintError, match="format"):
+        tool_constraint([emails], "required", format="qwen3_coder")  # raw XML text would not enforce it
     assert tool_constraint([odd], "required", format="hermes") is not None
+    assert tool_constraint([odd], "required", format="kimi_k2") is not None  # OpenAI's rule for bare names
+    with pytest.raises(ConstraintError, match="OpenAI's rule"):
+        tool_constraint([{"type": "function", "function": {"name": "a b", "parameters": {"type": "object"}}}],
+                        "required", format="qwen3_coder")
     with pytest.raises(ConstraintError, match="max_tool_calls=0"):
         tool_constraint([WEATHER], "required", format="hermes", max_tool_calls=0)
     with pytest.raises(ConstraintError, match="needs a tokenizer with the \\[TOOL_CALLS\\]"):

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 
 from neuron_constrain.structured.constraints import ConstraintError, json_schema
 from neuron_constrain.structured.schema.prepare import prepare
+from neuron_constrain.structured.tool_calls import families as F
 
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
-                         "writeOnly", "format"})
+                         "writeOnly"})
 _INTEGER = r"-?(0|[1-9][0-9]*)"
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 _PY_STRING = r'"([^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})*"'
@@ -197,6 +199,10 @@ def arguments_element(family, tool: str, parameters, whitespace: int) -> dict:
     if family.arguments == "json":
         return json_arguments(tool, parameters, whitespace)
     if family.arguments == "python":
+        for key in parameters.get("properties") or {}:
+            if not F.IDENTIFIER.match(key) or keyword.iskeyword(key):
+                raise refused(tool, f"#/properties/{key}", "a keyword argument must be a Python identifier (not a "
+                              "keyword)", "rename the parameter, or use a family with JSON arguments")
         if not (parameters.get("properties") or parameters.get("required")):
             _extra(parameters, {"type", "properties", "required", "additionalProperties"}, tool, "#", "Python")
             return _const("")
@@ -211,6 +217,9 @@ def _xml_arguments(tool: str, parameters: dict, whitespace: int) -> dict:
     entries = []
     for key, schema in properties.items():
         path = f"#/properties/{key}"
+        if not key or any(char in key for char in "<>\n"):
+            raise refused(tool, path, "a parameter name with <, > or a newline cannot be written in "
+                          "<parameter=NAME>", "rename the parameter, or use a family with JSON arguments")
         kind = None if isinstance(schema, dict) and ("enum" in schema or "const" in schema) else _kind(schema, tool, path, "XML")
         if kind in ("object", "array"):
             value = json_arguments(f"{tool}.{key}", schema, whitespace)

@@ -150,6 +150,7 @@ FORMS = {"deepseek_v3": ("deepseek_v3.1", "deepseek_v3.0")}  # one name, either 
 TOOL_FORMATS = ("json", "mistral", "hermes", "llama3", "llama3_json", "qwen3_coder", "pythonic", "deepseek_v3",
                 "kimi_k2", "harmony")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # OpenAI's rule for a function's name
 
 
 def control(tokenizer, name: str) -> int | None:

@@ -13,6 +13,7 @@ most ``whitespace`` whitespace characters in each gap.
 """
 from __future__ import annotations
 
+import keyword
 from typing import Sequence
 
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message, json_schema
@@ -48,15 +49,26 @@ def _any_of(elements: list[dict]) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
 
 
+def _check_bare_name(family: F.ToolFamily, name: str) -> None:
+    """A name the family writes bare must not run into what follows it: a Python identifier that is no keyword
+    (``pythonic``), else OpenAI's rule for a function's name."""
+    if family.name_style != "raw":
+        return
+    python = family.arguments == "python"
+    if python and F.IDENTIFIER.match(name) and not keyword.iskeyword(name) or not python and F.TOOL_NAME.match(name):
+        return
+    rule = "a Python identifier (not a keyword)" if python else "letters, digits, _ and - (OpenAI's rule)"
+    raise ConstraintError(f"tool {name!r}: {family.name} writes a tool's name bare, so it must be {rule}; "
+                          "rename the tool or use format='hermes'")
+
+
 class _Builder:
     """The elements of one request's calls: each tool's arguments built (and refused) once."""
 
     def __init__(self, family: F.ToolFamily, functions: dict, tokenizer, whitespace: int):
         self.family, self.tokenizer = family, tokenizer
         for name in functions:
-            if family.name_style == "raw" and not F.IDENTIFIER.match(name):
-                raise ConstraintError(f"tool {name!r}: {family.name} writes a tool's name bare, so it must be an "
-                                      "identifier (letters, digits, _); rename the tool or use format='hermes'")
+            _check_bare_name(family, name)
         self.arguments = {name: arguments_element(family, name, parameters, whitespace)
                           for name, parameters in functions.items()}
 
