@@ -241,3 +241,14 @@ def test_hermes_auto_also_reads_blocks_that_drift_from_the_template():
     assert not ebnf_accepts(tool_constraint([WEATHER], "auto", format="hermes").spec, text)  # the grammar: the template's
     with pytest.raises(ValueError):
         parse_tool_calls(text[6:], [WEATHER], "required", format="hermes")  # forced answers are read strictly
+
+
+def test_an_untyped_python_value_is_any_literal_ast_reads():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"description": "anything"}}, "required": ["x"]}}}
+    constraint = tool_constraint([tool], "required", format="pythonic")
+    for text, value in (('[f(x=[1, {"k": None}, True])]', [1, {"k": None}, True]), ('[f(x="a\\"b")]', 'a"b')):
+        assert ebnf_accepts(constraint.spec, text)
+        assert parse_tool_calls(text, [tool], "required", format="pythonic")[1] == [ToolCall("f", {"x": value})]
+    for text in ("[f(x=true)]", '[f(x="a\\/b")]', "[f(x={1: 2})]"):  # JSON's spellings Python reads otherwise
+        assert not ebnf_accepts(constraint.spec, text)

@@ -27,6 +27,12 @@ ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$commen
 _INTEGER = r"-?(0|[1-9][0-9]*)"
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 _PY_STRING = r'"([^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})*"'
+# any Python literal (an untyped value): strings with JSON's escapes, numbers, True / False / None, lists, dicts
+_PY_ANY = r"""root ::= value
+value ::= string | number | "True" | "False" | "None" | "[" (value (", " value)*)? "]" | "{" (string ": " value (", " string ": " value)*)? "}"
+string ::= "\"" ([^"\\\0-\x1f] | "\\" ["\\bfnrt] | "\\u" [0-9a-fA-F]{4})* "\""
+number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+\-]? [0-9]+)?
+"""
 
 
 def _const(text: str) -> dict:
@@ -127,6 +133,8 @@ def python_value_element(schema, tool: str, path: str) -> dict:
     choices = _literal_choices(schema, python_value, tool, path, "Python") if isinstance(schema, dict) else None
     if choices is not None:
         return choices
+    if isinstance(schema, dict) and not set(schema) - ANNOTATIONS or schema is True:
+        return {"type": "grammar", "grammar": _PY_ANY}  # untyped: any literal is valid
     kind = _kind(schema, tool, path, "Python")
     if kind == "string":
         _extra(schema, {"type"}, tool, path, "Python")
