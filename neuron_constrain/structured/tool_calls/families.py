@@ -8,8 +8,10 @@ Each description is read off the model's own chat template or published prompt f
 Qwen 2.5/3's template (``hermes``), Qwen3-Coder's (``qwen3_coder``), Llama 3.1-3.3's
 (``llama3_json``), Llama 4's pythonic list (``pythonic``), mistral-common's tokenizers (``mistral``:
 ``json.dumps`` of the calls after ``[TOOL_CALLS]`` up to v7; ``[TOOL_CALLS]name[ARGS]{...}`` per
-call from v11). Text between angle brackets or square brackets that the tokenizer has as a control
-token is matched as that token (``controls``).
+call from v11, ``[CALL_ID]id`` before ``[ARGS]`` from v13), DeepSeek V3's and V3.1's templates
+(``deepseek_v3``: both forms), Kimi K2's (``functions.NAME:IDX``), gpt-oss's harmony format (the
+``commentary`` channel). Text that the tokenizer has as a control token is matched as that token
+(``controls``), never as text that spells it.
 """
 from __future__ import annotations
 
