@@ -186,7 +186,7 @@ def test_a_keyword_no_engine_enforces_is_refused_naming_the_tool_and_pointer(for
 
 @pytest.mark.parametrize("format, schema, pointer", [
     ("qwen3_coder", {"type": "string", "pattern": "^[a-z]+$"}, "#/properties/x/pattern"),
-    ("pythonic", {"type": "integer", "minimum": 3}, "#/properties/x/minimum"),
+    ("pythonic", {"type": "string", "pattern": "^a+$"}, "#/properties/x/pattern"),
     ("pythonic", {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "#/properties/x"),
 ])
 def test_what_xml_and_python_spellings_cannot_enforce_is_refused(format, schema, pointer):
@@ -252,3 +252,17 @@ def test_an_untyped_python_value_is_any_literal_ast_reads():
         assert parse_tool_calls(text, [tool], "required", format="pythonic")[1] == [ToolCall("f", {"x": value})]
     for text in ("[f(x=true)]", '[f(x="a\\/b")]', "[f(x={1: 2})]"):  # JSON's spellings Python reads otherwise
         assert not ebnf_accepts(constraint.spec, text)
+
+
+def test_bounded_numbers_and_strings_in_xml_and_python_arguments():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1, "maximum": 10}, "s": {"type": "string", "maxLength": 3}},
+        "required": ["n", "s"], "additionalProperties": False}}}
+    xml = tool_constraint([tool], "required", format="qwen3_coder")
+    python = tool_constraint([tool], "required", format="pythonic")
+    for n, s, ok in ((3, "abc", True), (11, "abc", False), (0, "ab", False), (3, "abcd", False)):
+        for constraint, family in ((xml, "qwen3_coder"), (python, "pythonic")):
+            text = write_calls(FAMILIES[family], [ToolCall("f", {"n": n, "s": s})])
+            assert ebnf_accepts(constraint.spec, text) == ok, (family, text)
+    assert ebnf_accepts(python.spec, '[f(n=3, s="\\n\\t\\"")]')  # an escape is one character
+    assert not ebnf_accepts(xml.spec, write_calls(FAMILIES["qwen3_coder"], [ToolCall("f", {"n": 3, "s": "a\nb"})]))

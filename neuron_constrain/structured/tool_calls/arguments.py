@@ -6,10 +6,11 @@
 JSON arguments go through the library's schema policy (``prepare`` and xgrammar's view: the algebra, the
 keyword table): a keyword xgrammar would not enforce, or one only the host's item tracker judges, is
 refused naming the tool and the pointer. XML (``qwen3_coder``) and Python (``pythonic``) values are
-written from the schema here: a string parameter is raw text up to ``\\n</parameter>`` (XML) or a
-double-quoted literal (Python), an integer is digits, a boolean ``true``/``false`` (Python: ``True`` /
-``False``); objects and arrays are JSON (XML, as the template's ``tojson``) or Python literals. What
-this spelling cannot enforce (a string ``pattern`` in raw XML text, ``minimum`` on digits, ...) is
+written from the schema here: a string parameter is raw text up to ``\\n</parameter>`` (XML; bounded
+by ``minLength`` / ``maxLength``: no newline inside, narrowed) or a double-quoted literal (Python), a
+number is JSON's spelling through the policy (``minimum`` and the rest), a boolean ``true``/``false``
+(Python: ``True`` / ``False``); objects and arrays are JSON (XML, as the template's ``tojson``) or
+Python literals. What this spelling cannot enforce (a string ``pattern`` in raw XML text, ...) is
 refused by name: soundness first.
 """
 from __future__ import annotations
@@ -24,8 +25,6 @@ from neuron_constrain.structured.tool_calls import families as F
 
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
                          "writeOnly"})
-_INTEGER = r"-?(0|[1-9][0-9]*)"
-_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 _PY_STRING = r'"([^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})*"'
 # any Python literal (an untyped value): strings with JSON's escapes, numbers, True / False / None, lists, dicts
 _PY_ANY = r"""root ::= value
@@ -64,13 +63,14 @@ def refused(tool: str, path: str, why: str, fix: str) -> ConstraintError:
     return ConstraintError(f"tool {tool!r}: {why} at {path}; {fix}")
 
 
-def json_arguments(tool: str, parameters, whitespace: int) -> dict:
+def json_arguments(tool: str, parameters, whitespace: int, at: str = "") -> dict:
     """The tool's parameters through the library's schema policy, as a ``json_schema`` element.
 
     Args:
         tool: the tool's name (named in a refusal).
         parameters: its JSON schema.
         whitespace: the whitespace characters a gap may hold.
+        at: the pointer of ``parameters`` in the tool's parameters, for a value inside them (``""``: the root).
 
     Returns:
         The element.
@@ -82,7 +82,7 @@ def json_arguments(tool: str, parameters, whitespace: int) -> dict:
         view = prepare(json_schema(parameters, whitespace="bounded", max_whitespace=whitespace)).view("xgrammar")
         view.unenforced("refuse")
     except ConstraintError as error:
-        raise ConstraintError(f"tool {tool!r}: {error}") from error
+        raise ConstraintError(f"tool {tool!r}{' at ' + at if at else ''}: {error}") from error
     if view.plan is not None:
         path = min(view.plan.reached, default="#")
         raise refused(tool, str(path), "a keyword only the host's item tracker enforces (uniqueItems / contains)",
@@ -108,11 +108,9 @@ def _literal_choices(schema: dict, write, tool: str, path: str, spelling: str) -
 
 
 def _scalar(schema: dict, kind: str, tool: str, path: str, spelling: str, python: bool) -> dict:
+    if kind in ("integer", "number"):  # spelled as JSON spells them: JSON's grammar, keywords through the policy
+        return json_arguments(tool, schema, 1, path)  # a number has no gap: the cap is moot
     _extra(schema, {"type"}, tool, path, spelling)
-    if kind == "integer":
-        return {"type": "regex", "pattern": _INTEGER}
-    if kind == "number":
-        return {"type": "regex", "pattern": _NUMBER}
     if kind == "boolean":
         return _or([_const("True"), _const("False")] if python else
                    [_const("true"), _const("false"), _const("True"), _const("False")])
@@ -137,8 +135,9 @@ def python_value_element(schema, tool: str, path: str) -> dict:
         return {"type": "grammar", "grammar": _PY_ANY}  # untyped: any literal is valid
     kind = _kind(schema, tool, path, "Python")
     if kind == "string":
-        _extra(schema, {"type"}, tool, path, "Python")
-        return {"type": "regex", "pattern": _PY_STRING}
+        _extra(schema, {"type", "minLength", "maxLength"}, tool, path, "Python")
+        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        return {"type": "regex", "pattern": _PY_STRING[:-2] + f"{{{low},{high}}}" + '"'}  # an escape is one character
     if kind == "array":
         _extra(schema, {"type", "items", "minItems", "maxItems"}, tool, path, "Python")
         if not isinstance(schema.get("items"), dict):
@@ -232,10 +231,14 @@ def _xml_arguments(tool: str, parameters: dict, whitespace: int) -> dict:
         if kind in ("object", "array"):
             value = json_arguments(f"{tool}.{key}", schema, whitespace)
         elif kind == "string":
-            _extra(schema, {"type"}, tool, path, "XML")
-            value = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "\n</parameter>\n"}
-            entries.append((key, _sequence(_const(f"<parameter={key}>\n"), value)))
-            continue
+            _extra(schema, {"type", "minLength", "maxLength"}, tool, path, "XML")
+            if "minLength" in schema or "maxLength" in schema:  # counted: no newline inside (narrowed), so the
+                low, high = schema.get("minLength", 0), schema.get("maxLength", "")  # closing tag cannot start early
+                value = {"type": "regex", "pattern": f"[^\\n]{{{low},{high}}}"}
+            else:
+                value = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "\n</parameter>\n"}
+                entries.append((key, _sequence(_const(f"<parameter={key}>\n"), value)))
+                continue
         elif kind is None:
             from neuron_constrain.structured.tool_calls.families import xml_value
 

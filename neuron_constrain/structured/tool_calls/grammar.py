@@ -91,7 +91,7 @@ class _Builder:
 
     def _placeholder(self, part: str) -> dict:
         if part == "{index}":
-            return {"type": "regex", "pattern": "0|[1-9][0-9]*"}
+            return {"type": "regex", "pattern": "0|[1-9][0-9]{0,5}"}  # a call counter: bounded, never a runaway
         token = F.control(self.tokenizer, "[CALL_ID]")
         if token is None:
             return {"type": "const_string", "value": ""}
@@ -177,8 +177,8 @@ def tool_constraint(
     family = F.resolve(format, tokenizer)
     functions = F.tool_functions(tools)
     high = _limit(parallel_tool_calls, max_tool_calls)
-    if not isinstance(whitespace, int) or isinstance(whitespace, bool) or whitespace < 0:
-        raise ConstraintError(f"whitespace={whitespace!r}: pass the whitespace characters a JSON gap may hold (an int >= 0)")
+    if not isinstance(whitespace, int) or isinstance(whitespace, bool) or whitespace < 1:
+        raise ConstraintError(f"whitespace={whitespace!r}: pass the whitespace characters a JSON gap may hold (an int >= 1)")
     if response_format is not None and not isinstance(response_format, (dict, bool)):
         raise ConstraintError("response_format= takes the response's JSON schema (a dict)")
     named = F.named_tool(tool_choice)
@@ -194,7 +194,7 @@ def tool_constraint(
                               "the response schema would never apply; use tool_choice='auto' (calls | schema)")
     if tool_choice == "none" or (tool_choice in ("auto", None) and not functions):
         return None if response_format is None else json_schema(response_format, whitespace="bounded",
-                                                                max_whitespace=max(whitespace, 1))
+                                                                max_whitespace=whitespace)
     if family is None:
         return _json_constraint(functions, tool_choice, named, high, response_format, whitespace)
     for needed in family.required_controls:
@@ -248,7 +248,7 @@ def _constraint(body, name, functions, tool_choice, format, high, response_forma
     except Exception as error:  # noqa: BLE001 - xgrammar's message
         raise ConstraintError(f"xgrammar could not build the {name} tool-call grammar ({engine_message(error)})") from error
     return Constraint(
-        "ebnf", text, "bounded", max_whitespace=max(whitespace, 1),
+        "ebnf", text, "bounded", max_whitespace=whitespace,
         validate=lambda answer: check_answer(answer, functions, tool_choice, format=format, max_calls=high,
                                              response_format=response_format),
     )
