@@ -84,7 +84,7 @@ def _label(letter_digit: str, hyphenated: str) -> str:
 
 _HOST_LABEL = _label(_LETTER_DIGIT, "[A-Za-z0-9-]")
 _IDN_LABEL = _label("[a-z0-9]", "[a-z0-9-]")
-_ATEXT = "A-Za-z0-9!#$%&'*+/=?^_`{|}~-"
+_ATEXT = "A-Za-z0-9!#$%&'*+/=?^_`{|}~\\-"
 _QTEXT = "\\x20\\x21\\x23-\\x5B\\x5D-\\x7E"
 _NON_ASCII = "\\x80-\U0010FFFF"
 _ADDRESS_LITERAL = f"\\[(?:{_IPV4}|IPv6:{_IPV6})\\]"

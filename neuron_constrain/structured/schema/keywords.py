@@ -214,10 +214,14 @@ def validator(root):
 
 
 def _format_names(lists: Allowlist) -> list[str]:
-    """The formats ``lists``' engine enforces: every grammar of ``formats`` (as a pattern, the library's), then its own."""
-    written = {name: f"{name} (a pattern{', narrower' if found.narrower else ''})"
-               for name, found in formats.FORMATS.items()}
-    return [written.get(name, f"{name} (its own, under `not`/`if`/`oneOf`)")
+    """The formats ``lists``' engine enforces: each grammar of ``formats``, as a pattern the library writes (a
+    narrower one, beside `not`/`if`/`oneOf`, is the engine's own grammar or refused), then the engine's own."""
+    def written(name, found):
+        kind = "a narrower pattern" if found.narrower else "a pattern"
+        if found.exact:
+            return f"{name} ({kind}, the referee's)"
+        return f"{name} ({kind}; beside not/if/oneOf: {'its own' if name in lists.formats else 'refused'})"
+    return [written(name, formats.FORMATS[name]) if name in formats.FORMATS else name
             for name in sorted(set(formats.FORMATS) | lists.formats)]
 
 
