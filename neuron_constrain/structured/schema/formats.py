@@ -171,20 +171,41 @@ REFUSED = {
 
 
 def grammar(name: str) -> Format | None:
-    """The grammar of the format ``name``, or None (refused, or a name outside the standard list)."""
+    """The grammar of a format.
+
+    Args:
+        name: the format's name (``"date-time"``).
+
+    Returns:
+        Its :class:`Format`, or None (a format refused by name, or a name outside the standard list).
+    """
     return FORMATS.get(name)
 
 
 def checked(name: str) -> bool:
-    """Whether the referee (``jsonschema``'s 2020-12 format checker) asserts ``name`` here: a format whose
-    optional checker package is absent is accepted by it whatever the string (it cannot judge)."""
+    """Whether the referee (``jsonschema``'s 2020-12 format checker) asserts a format here.
+
+    Args:
+        name: the format's name.
+
+    Returns:
+        False where the checker's optional package is absent: the referee then accepts any string (it cannot judge).
+    """
     import jsonschema
 
     return name in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
 
 
 def refusal(name: str, path: str) -> ConstraintError:
-    """The refusal of the format ``name`` at the JSON pointer ``path``: why, and the fix."""
+    """The refusal of a format no grammar writes.
+
+    Args:
+        name: the format's name.
+        path: the JSON pointer of its ``format`` keyword.
+
+    Returns:
+        The ``ConstraintError`` naming the format, the pointer, why (:data:`REFUSED`) and the fix.
+    """
     why = REFUSED.get(name, "no grammar here is exact for it")
     return ConstraintError(f"the format {name!r} at {path} has no exact grammar ({why}); remove `format` there, "
                            "or pass json_schema(..., unenforced='allow') to have the output validated after generation")
@@ -216,7 +237,14 @@ def write_patterns(schema: dict, lengths_beside_pattern: bool, narrowed: list | 
     the engine enforces them there) or intersected into the pattern. A grammar that is not the referee's
     language is left as ``format`` in a schema with `not`/`if`/`oneOf` (where it, or a `$ref` to it,
     would widen what the schema accepts), and so is a node whose intersection a cap refuses (the
-    policy then judges it). ``narrowed`` receives the pointers of grammars narrower than their format."""
+    policy then judges it).
+
+    Args:
+        schema: a schema object, rewritten in place.
+        lengths_beside_pattern: the engine enforces ``minLength``/``maxLength`` beside a ``pattern``
+            (:func:`lengths_beside_pattern`).
+        narrowed: receives the JSON pointers of the nodes given a grammar narrower than their format.
+    """
     nodes = list(rewrite.walk(schema))
     negating = any(_NEGATED & set(node) for _, node in nodes)
     for path, node in nodes:
