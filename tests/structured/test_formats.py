@@ -145,6 +145,9 @@ def test_format_beside_pattern_and_lengths_is_the_intersection(toy_engines):
     assert "maxLength" not in _view(beside, "xgrammar") and "format" not in _view(beside, "xgrammar")
     assert _view(beside, "llguidance")["maxLength"] == 8
     assert _view({"type": "string", "format": "hostname"}, "llguidance")["maxLength"] == 253
+    malformed = {"type": "string", "format": "ipv4", "pattern": 5}  # never overwritten: left as written
+    formats.write_patterns(malformed, True)
+    assert malformed == {"type": "string", "format": "ipv4", "pattern": 5}
 
 
 def test_a_narrower_grammar_stays_a_format_beside_negation_an_exact_one_is_written():

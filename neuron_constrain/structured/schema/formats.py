@@ -272,7 +272,9 @@ def write_patterns(schema: dict, lengths_beside_pattern: bool, narrowed: list | 
 def _written(node: dict, found: Format) -> tuple[str, int, int | None] | None:
     """The node's pattern once its format is written in, and its length bounds; None where it cannot be."""
     pattern = found.pattern
-    if isinstance(node.get("pattern"), str):
+    if "pattern" in node:
+        if not isinstance(node["pattern"], str):
+            return None  # a malformed pattern: left for the policy to name, never overwritten
         pattern = _intersect((node["pattern"], found.pattern))
         if pattern is None:
             return None
