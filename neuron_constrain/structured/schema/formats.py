@@ -142,8 +142,9 @@ FORMATS = {f.name: f for f in (
     _format("time", _TIME, narrower="a leap second only at 23:59:60 UTC written with offset Z or 00:00"),
     _format("date-time", f"{_DATE}[Tt]{_TIME}", narrower="years 0001-9999 (Python's calendar); a leap second only at "
             "23:59:60 UTC written with offset Z or 00:00"),
-    _format("duration", _DURATION),
-    _format("email", _mailbox(""), narrower="no General-address-literal; host labels of at most 63 characters "
+    _format("duration", _DURATION, narrower="upper-case designators only (`P1D`; ABNF also reads `p1d`)"),
+    _format("email", _mailbox(""), narrower="no General-address-literal, the `IPv6:` tag as written; host labels "
+            "of at most 63 characters "
             "(RFC 5321's size limits, 4.5.3.1, are not written)"),
     _format("idn-email", _mailbox(_NON_ASCII), narrower="an ASCII domain (no U-labels); no General-address-literal"),
     _format("hostname", f"{_HOST_LABEL}(?:\\.{_HOST_LABEL})*", max_length=253,
