@@ -28,7 +28,7 @@ import json
 import re
 from typing import Callable, Iterator
 
-from neuron_constrain.structured.schema import algebra, patterns
+from neuron_constrain.structured.schema import algebra, formats, patterns
 from neuron_constrain.structured.schema import rewrite as rewrite
 from neuron_constrain.structured.constraints import ConstraintError
 
@@ -162,12 +162,14 @@ def number(keyword: str) -> Unless:
     return unless
 
 
-def known_format(engine: str, formats: frozenset) -> Unless:
+def known_format(engine: str, known: frozenset) -> Unless:
     def unless(node, root):
         name = node.get("format")
-        if not isinstance(name, str) or name not in STANDARD_FORMATS or name in formats:
+        if not isinstance(name, str) or name not in STANDARD_FORMATS or name in known:
             return None  # a non-standard format is an annotation
-        return f"{engine} has no grammar for the standard format {name!r}"
+        if name in formats.REFUSED:
+            return f"the format {name!r} has no grammar anywhere: {formats.REFUSED[name]}"
+        return f"{engine} has no grammar for the standard format {name!r} here"
     return unless
 
 
@@ -212,8 +214,15 @@ def validator(root):
 
 
 def _format_names(lists: Allowlist) -> list[str]:
-    written = {name: f"{name} (as a pattern{'' if exact else ', narrower'})" for name, _, exact in lists.format_patterns}
-    return [written.get(name, name) for name in sorted(lists.formats | set(written))]
+    """The formats ``lists``' engine enforces: each grammar of ``formats``, as a pattern the library writes (a
+    narrower one, beside `not`/`if`/`oneOf`, is the engine's own grammar or refused), then the engine's own."""
+    def written(name, found):
+        kind = "a narrower pattern" if found.narrower else "a pattern"
+        if found.exact:
+            return f"{name} ({kind}, the referee's)"
+        return f"{name} ({kind}; beside not/if/oneOf: {'its own' if name in lists.formats else 'refused'})"
+    return [written(name, formats.FORMATS[name]) if name in formats.FORMATS else name
+            for name in sorted(set(formats.FORMATS) | lists.formats)]
 
 
 _NEGATED = frozenset({"not", "if", "oneOf"})  # keywords whose subschemas a valid value may need to fail
@@ -241,6 +250,7 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
         typed = rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))
         if narrowed is not None:
             narrowed += typed
+    formats.write_patterns(prepared, formats.lengths_beside_pattern(lists.why_not), narrowed)
     if lists.format_patterns:
         _formats_as_patterns(prepared, lists.format_patterns, narrowed)
     return prepared
