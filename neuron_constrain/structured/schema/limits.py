@@ -14,7 +14,10 @@ however deep the input), nesting first, so nothing recursive reads a constraint 
 nests deeper than :attr:`Limits.depth` (at most :data:`DEPTH_CEILING`). Work limits bound
 one request's compile (``compile_seconds`` from its start, ``compile_memory_mb``: the
 runtime compiles xgrammar grammars in a worker process it can kill,
-``engines/xgrammar/worker.py``) and each of its mask fills (``fill_ms``). A refusal is a
+``engines/xgrammar/worker.py``) and each of its mask fills (``fill_ms``). A regex is bounded by what
+it would cost written out (:func:`pattern_cost`: its size with each ``{n,m}`` expanded, and the
+nesting and bounds of repetitions of varying parts, where xgrammar's fill grows with the text),
+computed from the parsed pattern without expanding it. A refusal is a
 :class:`LimitError` naming the limit, the value found and where, one request's alone.
 """
 from __future__ import annotations
