@@ -1,2 +1,3 @@
-"""xgrammar behind the engine contract: the engine, its grammars, its worker processes, its fill threads."""
-__all__ = ["engine", "fill_threads", "grammars", "worker"]
+"""xgrammar behind the engine contract: the engine, its grammars, its worker processes, its fill threads, its
+compiled grammars on disk."""
+__all__ = ["disk_cache", "engine", "fill_threads", "grammars", "worker"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 import weakref
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from neuron_constrain.structured.schema import keywords as K, patterns
 from neuron_constrain.structured.schema.prepare import Prepared
 from neuron_constrain.structured.engines.base import (CompiledGrammar, GrammarEngine, encode_continuation, fill_each,
                                                       fills_itself)
+from neuron_constrain.structured.engines.xgrammar.disk_cache import DiskCache
 from neuron_constrain.structured.engines.xgrammar.fill_threads import RowFillers
 from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, parse_constraint, xgrammar_info
 from neuron_constrain.structured.engines.xgrammar.worker import shared_workers
@@ -232,6 +234,9 @@ class XGrammarEngine(GrammarEngine):
         self.workers = shared_workers(xgrammar_info(self.info), processes=compile_processes,
                                       memory_mb=self.limits.compile_memory_mb) if compile_processes else None
         self.fillers = RowFillers(fill_threads, fill_timeout) if fill_threads > 1 else None
+        self.disk_cache = DiskCache.from_environment()  # compiled grammars on disk (disk_cache.py); None: off
+        self._tokenizer_json: str | None = None
+        self.compiles = 0  # grammars compiled (not loaded from the disk cache)
         self._later, self._later_lock = None, threading.Lock()  # compile_later's threads, started on first use
         # One thread: one call for all rows, so the GIL is released once, not once per row, while a
         # pipelined step traces the body on another thread (as fast as per-row calls when alone).
@@ -255,12 +260,31 @@ class XGrammarEngine(GrammarEngine):
         """``narrowed`` also lists the bounded strings (``minLength``/``maxLength``): their characters are
         written without escapes (a quote, a backslash or a newline inside is refused)."""
         view, unenforced = self.view(constraint, policy)
-        if self.workers is not None:
-            grammar = self.workers.compile(view.constraint, self.limits.compile_seconds)
-        else:
-            grammar = compile_grammar(self.compiler, view.constraint)
+        grammar = self._compile_or_load(view.constraint)
         original = constraint.constraint if isinstance(constraint, Prepared) else constraint
         return CompiledGrammar(self.name, original, grammar, unenforced, view.narrowed + view.bounded_strings, view.plan)
+
+    def _compile_or_load(self, job):
+        """xgrammar's grammar of ``job``: from the disk cache where an entry loads, else compiled (and stored
+        there when the compile took ``disk_cache.min_seconds`` or more)."""
+        key = None
+        if self.disk_cache is not None:
+            if self._tokenizer_json is None:
+                self._tokenizer_json = xgrammar_info(self.info).serialize_json()
+            key = self.disk_cache.key(job.key, self._tokenizer_json)
+            info = xgrammar_info(self.info)
+            grammar = self.disk_cache.load(key, lambda payload: xgr.CompiledGrammar.deserialize_json(payload, info))
+            if grammar is not None:
+                return grammar
+        start = time.perf_counter()
+        if self.workers is not None:
+            grammar = self.workers.compile(job, self.limits.compile_seconds)
+        else:
+            grammar = compile_grammar(self.compiler, job)
+        self.compiles += 1
+        if key is not None and time.perf_counter() - start >= self.disk_cache.min_seconds:
+            self.disk_cache.store(key, grammar.serialize_json())
+        return grammar
 
     def compile_later(self, constraint, *, policy: str | None = None) -> concurrent.futures.Future:
         """:meth:`compile` on a thread of its own (``auto``'s race): xgrammar releases the GIL while it compiles,
