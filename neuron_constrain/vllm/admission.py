@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import multiprocessing
 import threading
 
@@ -31,6 +32,8 @@ check_vllm_version()
 
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+
+log = logging.getLogger("vllm.neuron_constrain")
 
 LANE_THREADS = 2  # threads per lane (small, large); policy.VERDICT_PROCESSES worker processes compile
 
@@ -68,9 +71,16 @@ class Admission:
         self.lanes = Lanes(LANE_THREADS, name="neuron-constrain-admission")
 
     def warm(self) -> None:
-        """Build the verdict engine now: its compile workers' fork server starts in the background
-        (seconds of imports), not in the first constrained request's path."""
+        """Build the verdict engine now and judge one small schema in the background: the compile
+        workers' start and the first compile's imports (seconds) are paid before the first request."""
         policy.verdict_engine(self.limits)
+        threading.Thread(target=self._warm_verdict, daemon=True, name="neuron-constrain-admission-warm").start()
+
+    def _warm_verdict(self) -> None:
+        try:
+            policy.admit(_constraint("json", policy.WARM_SCHEMA, self.limits), self.limits)
+        except Exception as error:  # noqa: BLE001 - a warm-up only: the first request reports its own failure
+            log.warning("neuron_constrain: warming the admission failed: %s", error)
 
     async def check(self, params: SamplingParams) -> None:
         so = params.structured_outputs

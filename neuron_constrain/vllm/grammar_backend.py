@@ -222,6 +222,16 @@ class LibraryBackend(StructuredOutputBackend):
         self.counts = {"xgrammar": 0, "llguidance": 0, "compile_errors": 0, "limit_errors": 0, "over_budget": 0,
                        "budget_ended": 0}
         self.stop_row = _stop_row(self.stop_ids, self.vocab_size)
+        self._warm()
+
+    def _warm(self) -> None:
+        """One small schema compiled as the engine starts (``policy.WARM_SCHEMA``), before the server reports
+        ready: the compile workers' start and the first compile's one-time costs (seconds on a busy machine)
+        are not the first request's."""
+        try:
+            self._compile(self.constraint(StructuredOutputOptions.JSON, policy.WARM_SCHEMA))
+        except Exception as error:  # noqa: BLE001 - a warm-up only: the first request reports its own failure
+            log.warning("neuron_constrain: warming the grammar backend failed: %s", error)
 
     def constraint(self, request_type: StructuredOutputOptions, grammar_spec: str):
         return policy.from_vllm(_KINDS[request_type], grammar_spec, whitespace=self.whitespace)

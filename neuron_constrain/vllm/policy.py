@@ -48,6 +48,10 @@ LIMITS_ENV = "NEURON_CONSTRAIN_LIMITS"  # "name=value,...": the server's limits 
 # (the first character of a length-bounded string, 32k- and 131k-token vocabularies), never on three in a row
 SERVER_LIMITS = Limits(compile_seconds=10.0, fill_ms=50.0)
 VERDICT_PROCESSES = 4  # xgrammar worker processes for the verdicts (the admission's two lanes of two threads)
+# compiled once as a server starts (admission and engine core), off any request's path: the first compile's
+# one-time costs (lazy imports, a worker's start, xgrammar's first grammar) are paid before the first request
+WARM_SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                          "required": ["name"]})
 
 
 def server_limits() -> Limits:
