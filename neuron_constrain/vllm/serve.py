@@ -102,6 +102,8 @@ def environment(base: dict | None = None, *, vllm_args=(), **extra: str) -> dict
     ranks = tensor_parallel_size(vllm_args)
     if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in extra:
         env["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(ranks)
+    # a restarted server answers the schemas it compiled before at once (compiled grammars on disk, checksummed)
+    env.setdefault("NEURON_CONSTRAIN_GRAMMAR_CACHE", "on")
     env.update(extra)
     return env
 

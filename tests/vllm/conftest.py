@@ -53,7 +53,8 @@ class Server:
         self.log_path = tmp / f"{name}.log"
         self.metrics_path = tmp / f"{name}.metrics.json"
         # unbuffered: vLLM logs to stdout, which a file would hold back in 8 KB blocks
-        extra_env = {"NEURON_CONSTRAIN_VLLM_METRICS": str(self.metrics_path), "PYTHONUNBUFFERED": "1", **(env or {})}
+        extra_env = {"NEURON_CONSTRAIN_VLLM_METRICS": str(self.metrics_path), "PYTHONUNBUFFERED": "1",
+                     "NEURON_CONSTRAIN_GRAMMAR_CACHE": str(tmp / f"{name}.grammars"), **(env or {})}
         self.cmd = command(port=self.port, plugin=plugin, max_num_seqs=max_num_seqs, extra=extra, **spec)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=environment(vllm_args=extra or (), **extra_env),
