@@ -27,11 +27,12 @@ characters) and has no keyword policy for the schemas inside it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-import threading
-
 import os
+import re
+import threading
 
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, validate_output
 from neuron_constrain.structured.schema import keywords, limits as limits_
@@ -47,6 +48,8 @@ LIMITS_ENV = "NEURON_CONSTRAIN_LIMITS"  # "name=value,...": the server's limits 
 # row at most (fill_budget.STRIKES): xgrammar's fills of ordinary grammars reach 20-56 ms on single tokens
 # (the first character of a length-bounded string, 32k- and 131k-token vocabularies), never on three in a row
 SERVER_LIMITS = Limits(compile_seconds=10.0, fill_ms=50.0)
+# a token named by id in xgrammar's EBNF (a control token of a tool-call grammar: "Token(32000)")
+TOKEN_REFERENCE = re.compile(r"(?<=[(\s|])Token\(\s*\d+(?:\s*,\s*\d+)*\s*\)")
 VERDICT_PROCESSES = 4  # xgrammar worker processes for the verdicts (the admission's two lanes of two threads)
 
 
@@ -136,6 +139,20 @@ def _tag_schemas(node, path: str = "#"):
             yield from _tag_schemas(value, f"{path}/{i}")
 
 
+def has_token_references(constraint: Constraint) -> bool:
+    """Whether an EBNF constraint names tokens by id: its answer's text alone cannot be checked by a text
+    matcher (a control token is not its spelling)."""
+    return constraint.kind == "ebnf" and isinstance(constraint.spec, str) and bool(TOKEN_REFERENCE.search(constraint.spec))
+
+
+def verdict_form(constraint: Constraint) -> Constraint:
+    """The constraint the verdict compiles: token references written as a literal (the verdict's byte
+    vocabulary has no token 32000; which engine enforces a grammar does not depend on the token named)."""
+    if not has_token_references(constraint):
+        return constraint
+    return dataclasses.replace(constraint, spec=TOKEN_REFERENCE.sub('"\\\\x00"', constraint.spec))
+
+
 # --------------------------------------------------------------------------- the verdict
 class _Bytes:
     """A 256-byte vocabulary plus EOS, behind the tokenizer protocol: enough to compile any
@@ -187,7 +204,7 @@ def admit(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str:
         return hit
     key = (constraint.key, limits)
     try:
-        result = verdict_engine(limits).compile(constraint).engine
+        result = verdict_engine(limits).compile(verdict_form(constraint)).engine
     except ConstraintError as error:
         result = error
     with _LOCK:

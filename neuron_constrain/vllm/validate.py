@@ -29,10 +29,11 @@ check_vllm_version()
 
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
-from neuron_constrain.vllm import admission  # noqa: E402
+from neuron_constrain.vllm import admission, tool_calls  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 admission.install()  # the verdict off the API server's event loop, before vLLM's own checks
+tool_calls.install()  # requests with tools get the library's grammar for the --tool-call-parser's family
 
 
 def check_structured(params) -> None:
