@@ -259,7 +259,7 @@ class LibraryBackend(StructuredOutputBackend):
             grammar = LibraryGrammar(self.engine, compiled)
         # what the finished answer is validated against (scheduler.py); a structural tag's answer is free
         # text with tool calls inside, which vLLM's tool parser reads: not one document to validate; a grammar
-        # naming control tokens by id (a tool-call family's, tool_calls.py) is not checked by its text
+        # naming control tokens by id (a tool-call family's, validate.py) is not checked by its text
         unchecked = request_type == StructuredOutputOptions.STRUCTURAL_TAG or policy.has_token_references(constraint)
         grammar.nc_constraint = None if unchecked else constraint
         grammar.nc_engine = compiled.engine

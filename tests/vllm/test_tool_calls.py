@@ -1,7 +1,7 @@
 """Tool calls through the real ``openai`` client, on the shared plugin server (tiny model, ``--tool-call-parser
 hermes``, ``--tool-strict-level parameter``): ``required`` / named / ``auto`` strict, streamed and not with equal
 calls, ``parallel_tool_calls=false`` held by the grammar, tools with ``response_format``; and, in process, the
-parser -> family table (``neuron_constrain.vllm.tool_calls``) with its 400 for a parser that has no family."""
+parser -> family table (``policy.PARSER_FAMILIES``, ``validate.install_tool_calls``) with its 400 for a parser that has no family."""
 from __future__ import annotations
 
 import json
@@ -120,9 +120,9 @@ def adjusted(tokenizer, parser: str, tool_choice, **request):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser import ParserManager
 
-    from neuron_constrain.vllm import tool_calls
+    from neuron_constrain.vllm.validate import install_tool_calls
 
-    tool_calls.install()
+    install_tool_calls()
     parser_cls = ParserManager.get_parser(tool_parser_name=parser, enable_auto_tools=True,
                                           tool_strict_level="parameter", tokenizer=tokenizer)
     body = ChatCompletionRequest(model=MODEL, messages=MSG, tools=TOOLS, tool_choice=tool_choice, **request)
@@ -131,7 +131,7 @@ def adjusted(tokenizer, parser: str, tool_choice, **request):
 
 def test_every_served_family_is_a_library_format():
     from neuron_constrain.structured import TOOL_FORMATS
-    from neuron_constrain.vllm.tool_calls import PARSER_FAMILIES, family
+    from neuron_constrain.vllm.policy import PARSER_FAMILIES, family
 
     assert family("hermes") == "hermes" and family("llama3_json") in ("llama3_json", "llama3")
     for parser, families in PARSER_FAMILIES.items():
@@ -141,7 +141,7 @@ def test_every_served_family_is_a_library_format():
 
 def test_a_family_the_library_does_not_build_is_refused_by_name(monkeypatch):
     from neuron_constrain.structured import tools
-    from neuron_constrain.vllm.tool_calls import ToolParserError, family
+    from neuron_constrain.vllm.policy import ToolParserError, family
 
     monkeypatch.setattr(tools, "TOOL_FORMATS", ("json", "hermes"))
     with pytest.raises(ToolParserError, match="'kimi_k2'.*family 'kimi_k2'.*hermes"):
