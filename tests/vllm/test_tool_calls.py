@@ -173,3 +173,24 @@ def test_a_parser_with_no_family_gets_a_400_naming_it(tokenizer):
             adjusted(tokenizer, "xlam", tool_choice)
     request = adjusted(tokenizer, "xlam", "none")  # nothing to enforce: served as vLLM serves it
     assert request.structured_outputs is None
+
+
+def test_mistral_calls_start_with_the_control_token(tmp_path):
+    """``mistral`` on vLLM's Mistral tokenizer (Tekken, from mistral-common's files): a required call opens with
+    the ``[TOOL_CALLS]`` control token, named by id in the grammar (never its spelling); a strict ``auto`` has no
+    grammar from either side yet, so it is a 400 naming the parser, not a call generated unconstrained."""
+    import shutil
+
+    from vllm.exceptions import VLLMValidationError
+    from vllm.tokenizers import get_tokenizer
+
+    from neuron_constrain.structured.tokenizers import mistral_data_file
+
+    shutil.copy(mistral_data_file("tekken_240911.json"), tmp_path / "tekken.json")
+    tekken = get_tokenizer(str(tmp_path), tokenizer_mode="mistral")
+    marker = tekken.tokenizer.get_special_token("[TOOL_CALLS]")
+    request = adjusted(tekken, "mistral", "required", parallel_tool_calls=False)
+    assert f"Token({marker})" in request.structured_outputs.grammar
+    assert "[TOOL_CALLS]" not in request.structured_outputs.grammar
+    with pytest.raises(VLLMValidationError, match="'mistral'.*tool_choice='auto'"):
+        adjusted(tekken, "mistral", "auto")
