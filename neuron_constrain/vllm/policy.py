@@ -316,7 +316,8 @@ def is_strict(request, server_level: int) -> bool:
     return server_level > 0 or any(getattr(getattr(t, "function", None), "strict", None) for t in request.tools)
 
 
-def _dump(value):
+def plain(value):
+    """A request's pydantic field (a tool, a named tool choice) as plain JSON data; other values as they are."""
     return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
 
 
@@ -362,9 +363,9 @@ def library_constraint(request, parser: str, tokenizer):
         ConstraintError: a tool the library refuses (a keyword no engine enforces, a named tool not listed).
     """
     name = family(parser)
-    tools = [_dump(t) for t in request.tools]
+    tools = [plain(t) for t in request.tools]
     check_tool_schemas(tools)
-    choice = _dump(request.tool_choice) if request.tool_choice is not None else "auto"
+    choice = plain(request.tool_choice) if request.tool_choice is not None else "auto"
     accepted = inspect.signature(library_tools.tool_constraint).parameters
     options = {"format": name, "tokenizer": library_tokenizer(tokenizer),
                "parallel_tool_calls": request.parallel_tool_calls is not False}
@@ -382,7 +383,7 @@ def _response_schema(request):
         return None
     if response_format.type == "json_schema" and response_format.json_schema is not None:
         return response_format.json_schema.json_schema
-    return {"type": "object"} if response_format.type == "json_object" else _dump(response_format)
+    return {"type": "object"} if response_format.type == "json_object" else plain(response_format)
 
 
 def structured_outputs(constraint) -> dict:

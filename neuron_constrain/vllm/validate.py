@@ -115,7 +115,7 @@ def served_parser(parser_cls, parser_name: str):
         elif strict and not _vllm_enforces(request):
             raise tool_refusal(policy.ToolParserError(
                 f"neuron_constrain: --tool-call-parser {parser_name!r}: neither neuron_constrain nor vLLM builds a "
-                f"grammar for tool_choice={policy._dump(request.tool_choice)!r} with these options here, so the call "
+                f"grammar for tool_choice={policy.plain(request.tool_choice)!r} with these options here, so the call "
                 "cannot be enforced; send tool_choice=\"required\" or a named tool"))
         return request
 
@@ -143,6 +143,8 @@ def install_tool_calls() -> None:
         parser_cls = original(cls, tool_parser_name, *args, **kwargs)
         if parser_cls is None or not tool_parser_name:
             return parser_cls
+        if kwargs.get("tokenizer") is not None and tool_parser_name in policy.PARSER_FAMILIES:
+            policy.library_tokenizer(kwargs["tokenizer"])  # at start: not in the first tool request's path
         return served_parser(parser_cls, tool_parser_name)
 
     get_parser.neuron_constrain_tools = True
