@@ -284,7 +284,8 @@ def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: st
     print(f"{len(requests)} requests, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s, engine={engine})\n")
     all_ok = True
     for request, constraint, out, plain in zip(requests, constraints, constrained.outputs, free.outputs):
-        kind = constraint.describe() if constraint is not None else f"tool_choice={request.tool_choice} (parsed)"
+        kind = (f"tools, tool_choice={request.tool_choice!r}, {TOOL_FORMAT} calls" if request.tools is not None
+                else constraint.describe())
         print(f"Q: {request.prompt}\n   [{kind}]")
         print(f"   constrained:   {out.text!r} ({out.finish_reason})")
         if constraint is not None:
