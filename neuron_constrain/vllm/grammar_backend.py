@@ -268,8 +268,10 @@ class LibraryBackend(StructuredOutputBackend):
         else:
             grammar = LibraryGrammar(self.engine, compiled)
         # what the finished answer is validated against (scheduler.py); a structural tag's answer is free
-        # text with tool calls inside, which vLLM's tool parser reads: not one document to validate
-        grammar.nc_constraint = None if request_type == StructuredOutputOptions.STRUCTURAL_TAG else constraint
+        # text with tool calls inside, which vLLM's tool parser reads: not one document to validate; a grammar
+        # naming control tokens by id (a tool-call family's, validate.py) is not checked by its text
+        unchecked = request_type == StructuredOutputOptions.STRUCTURAL_TAG or policy.has_token_references(constraint)
+        grammar.nc_constraint = None if unchecked else constraint
         grammar.nc_engine = compiled.engine
         grammar.nc_budget, grammar.nc_stops = self.limits.fill_ms / 1e3, self.stop_row
         self.counts[compiled.engine] += 1

@@ -5,6 +5,8 @@
     engine = admit(constraint, limits)  # "xgrammar" | "llguidance", or ConstraintError naming keyword and pointer
     violation(constraint, text)         # None, or why a finished answer does not satisfy its constraint
     limits = server_limits()            # the library's Limits with the server's defaults and --limit flags
+    family("hermes")                    # the library's tool-call family serving a --tool-call-parser
+    library_constraint(request, "hermes", tokenizer)   # a tools request's grammar, in the family's format
 
 No vLLM import: the frontend (``validate.py``, before any token) and the engine core's
 grammar backend (``grammar_backend.py``) both call these. ``admit`` is the verdict of the
@@ -27,13 +29,16 @@ characters) and has no keyword policy for the schemas inside it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
+import os
+import re
 import threading
 
-import os
-
-from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, validate_output
+from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, tools as library_tools
+from neuron_constrain.structured import validate_output
 from neuron_constrain.structured.schema import keywords, limits as limits_
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured.schema.limits import DESCRIPTIONS, LimitError, Limits
@@ -47,6 +52,8 @@ LIMITS_ENV = "NEURON_CONSTRAIN_LIMITS"  # "name=value,...": the server's limits 
 # row at most (fill_budget.STRIKES): xgrammar's fills of ordinary grammars reach 20-56 ms on single tokens
 # (the first character of a length-bounded string, 32k- and 131k-token vocabularies), never on three in a row
 SERVER_LIMITS = Limits(compile_seconds=10.0, fill_ms=50.0)
+# a token named by id in xgrammar's EBNF (a control token of a tool-call grammar: "Token(32000)")
+TOKEN_REFERENCE = re.compile(r"(?<=[(\s|])Token\(\s*\d+(?:\s*,\s*\d+)*\s*\)")
 VERDICT_PROCESSES = 4  # xgrammar worker processes for the verdicts (the admission's two lanes of two threads)
 # compiled once as a server starts (admission and engine core), off any request's path: the first compile's
 # one-time costs (lazy imports, a worker's start, xgrammar's first grammar) are paid before the first request
@@ -140,6 +147,20 @@ def _tag_schemas(node, path: str = "#"):
             yield from _tag_schemas(value, f"{path}/{i}")
 
 
+def has_token_references(constraint: Constraint) -> bool:
+    """Whether an EBNF constraint names tokens by id: its answer's text alone cannot be checked by a text
+    matcher (a control token is not its spelling)."""
+    return constraint.kind == "ebnf" and isinstance(constraint.spec, str) and bool(TOKEN_REFERENCE.search(constraint.spec))
+
+
+def verdict_form(constraint: Constraint) -> Constraint:
+    """The constraint the verdict compiles: token references written as a literal (the verdict's byte
+    vocabulary has no token 32000; which engine enforces a grammar does not depend on the token named)."""
+    if not has_token_references(constraint):
+        return constraint
+    return dataclasses.replace(constraint, spec=TOKEN_REFERENCE.sub('"\\\\x00"', constraint.spec))
+
+
 # --------------------------------------------------------------------------- the verdict
 class _Bytes:
     """A 256-byte vocabulary plus EOS, behind the tokenizer protocol: enough to compile any
@@ -191,7 +212,7 @@ def admit(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str:
         return hit
     key = (constraint.key, limits)
     try:
-        result = verdict_engine(limits).compile(constraint).engine
+        result = verdict_engine(limits).compile(verdict_form(constraint)).engine
     except ConstraintError as error:
         result = error
     with _LOCK:
@@ -236,3 +257,145 @@ def violation(constraint: Constraint, text: str) -> str | None:
         return validate_output(constraint, text)
     except Exception:  # noqa: BLE001 - a validator that cannot run (a pattern Python's re does not read,
         return None    # jsonschema not installed) is not evidence of a violation
+
+
+# --------------------------------------------------------------------------- tool calls (validate.py serves them)
+# vLLM --tool-call-parser name -> the TOOL_FORMATS names that serve it, the first the library lists wins
+PARSER_FAMILIES: dict[str, tuple[str, ...]] = {
+    "hermes": ("hermes",),
+    "qwen3_coder": ("qwen3_coder",),
+    "qwen3_xml": ("qwen3_coder",),
+    "llama3_json": ("llama3_json", "llama3"),
+    "llama4_json": ("llama3_json", "llama3"),
+    "pythonic": ("pythonic",),
+    "llama4_pythonic": ("pythonic",),
+    "mistral": ("mistral",),
+    "deepseek_v3": ("deepseek_v3",),
+    "deepseek_v31": ("deepseek_v3",),
+    "kimi_k2": ("kimi_k2",),
+    "openai": ("harmony",),
+}
+
+
+class ToolParserError(ConstraintError):
+    """A strict tool request on a server whose ``--tool-call-parser`` has no library family."""
+
+
+def family(parser: str | None) -> str:
+    """The library's tool-call family serving vLLM's ``--tool-call-parser`` ``parser``.
+
+    Args:
+        parser: the parser's name as vLLM's ``--tool-call-parser`` takes it (``"hermes"``).
+
+    Returns:
+        The ``TOOL_FORMATS`` name (``"hermes"``).
+
+    Raises:
+        ToolParserError: no parser, a parser this table does not know, or one whose family the
+            library does not build (yet); the message names the parser and the served ones.
+    """
+    formats = library_tools.TOOL_FORMATS
+    served = sorted(name for name, families in PARSER_FAMILIES.items() if any(f in formats for f in families))
+    for name in PARSER_FAMILIES.get(parser or "", ()):
+        if name in formats:
+            return name
+    why = ("has no tool-call family in neuron_constrain" if parser not in PARSER_FAMILIES else
+           f"maps to the family {PARSER_FAMILIES[parser][0]!r}, which this neuron_constrain does not build")
+    raise ToolParserError(
+        f"neuron_constrain: --tool-call-parser {parser!r} {why}, so a strict tool call cannot be enforced; "
+        f"start the server with one of {', '.join(served)} (or send the request without strict tools, "
+        f"tool_choice=\"auto\" and --tool-strict-level auto)"
+    )
+
+
+def is_strict(request, server_level: int) -> bool:
+    """Whether ``request``'s tool calls must be enforced: ``required`` / named always; ``auto`` when the
+    server's ``--tool-strict-level`` (``server_level``: 0 auto, 1 function, 2 parameter) is above auto or a
+    tool says ``strict: true``."""
+    choice = request.tool_choice
+    if not request.tools or choice in ("none",):
+        return False
+    if choice not in ("auto", None):
+        return True
+    return server_level > 0 or any(getattr(getattr(t, "function", None), "strict", None) for t in request.tools)
+
+
+def plain(value):
+    """A request's pydantic field (a tool, a named tool choice) as plain JSON data; other values as they are."""
+    return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
+
+
+def check_tool_schemas(tools: list[dict]) -> None:
+    """Refuse a tool whose parameters hold a keyword xgrammar (the tool grammars' engine) does not enforce,
+    naming the tool and the keyword's JSON pointer (``ConstraintError``)."""
+    for tool in tools:
+        function = tool.get("function") or {}
+        try:
+            keywords.check(function.get("parameters") or {"type": "object"}, "xgrammar")
+        except ConstraintError as error:
+            refused = ConstraintError(f"tool {function.get('name')!r}: {error}")
+            refused.unenforced = getattr(error, "unenforced", None)  # type: ignore[attr-defined]
+            raise refused from error
+
+
+@functools.lru_cache(maxsize=4)
+def _library_tokenizer(tokenizer):
+    from neuron_constrain.structured import tokenizers
+
+    inner = getattr(tokenizer, "tokenizer", None)
+    if type(tokenizer).__name__ == "MistralTokenizer" and inner is not None:
+        return tokenizers.from_mistral(inner)
+    return tokenizers.from_huggingface(tokenizer)
+
+
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def library_tokenizer(tokenizer):
+    """The library's tokenizer over vLLM's (cached: building it decodes the vocabulary once)."""
+    with _TOKENIZER_LOCK:
+        return _library_tokenizer(tokenizer)
+
+
+def library_constraint(request, parser: str, tokenizer):
+    """The library's tool-call constraint for ``request`` (a ``ChatCompletionRequest``), or None where the
+    library builds none for it (``auto`` or ``response_format`` beside tools, with a library that has no
+    grammar for them).
+
+    Raises:
+        ToolParserError: the parser has no family (see :func:`family`).
+        ConstraintError: a tool the library refuses (a keyword no engine enforces, a named tool not listed).
+    """
+    name = family(parser)
+    tools = [plain(t) for t in request.tools]
+    check_tool_schemas(tools)
+    choice = plain(request.tool_choice) if request.tool_choice is not None else "auto"
+    accepted = inspect.signature(library_tools.tool_constraint).parameters
+    options = {"format": name, "tokenizer": library_tokenizer(tokenizer),
+               "parallel_tool_calls": request.parallel_tool_calls is not False}
+    response_format = _response_schema(request)
+    if response_format is not None and choice == "auto":
+        if "response_format" not in accepted:
+            return None
+        options["response_format"] = response_format
+    return library_tools.tool_constraint(tools, choice, **options)
+
+
+def _response_schema(request):
+    response_format = getattr(request, "response_format", None)
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_schema" and response_format.json_schema is not None:
+        return response_format.json_schema.json_schema
+    return {"type": "object"} if response_format.type == "json_object" else plain(response_format)
+
+
+def structured_outputs(constraint) -> dict:
+    """``StructuredOutputsParams`` keywords for a library constraint (``grammar=`` EBNF, ``json=`` a schema)."""
+    if constraint.kind == "ebnf":
+        return {"grammar": constraint.spec}
+    if constraint.kind == "json_schema":
+        return {"json": constraint.spec}
+    if constraint.kind == "regex":
+        return {"regex": constraint.spec}
+    raise ConstraintError(f"a tool-call constraint of kind {constraint.kind!r} has no vLLM request form")

@@ -18,8 +18,21 @@ wrapper, which reaches that verdict off the API server's event loop first. vLLM 
 ``validate_params`` after its own structured-output
 validation (``InputProcessor._validate_params``: ``params.verify(...)``, then the logits
 processors' hooks), so what vLLM itself refuses keeps vLLM's 400.
+
+Importing it also wraps vLLM's ``ParserManager.get_parser`` (``install_tool_calls``): the parser composed
+for ``--tool-call-parser`` gives a request with tools and ``tool_choice`` ``"required"``, a named tool or
+``"auto"`` (when strict: ``--tool-strict-level`` ``function`` / ``parameter``, or a tool's ``strict: true``)
+the library's grammar for the parser's family (``policy.family``, ``policy.library_constraint``):
+calls only, in the family's own format, ``parallel_tool_calls=false`` one call in the grammar, and
+the tool parser reads required / named answers as auto ones (its format, not vLLM's JSON array). A
+strict request on a parser with no family is a 400 naming it, never a call generated unconstrained;
+where the family is served but the library builds no grammar for the request (``auto``, tools with
+``response_format``, before the library builds them) it keeps vLLM's structural tag for the parser,
+compiled with the library's keyword policy (``policy.structural_tag``); with neither, a 400.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,7 +42,8 @@ check_vllm_version()
 
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
-from neuron_constrain.vllm import admission  # noqa: E402
+from neuron_constrain.structured import ConstraintError  # noqa: E402
+from neuron_constrain.vllm import admission, policy  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 admission.install()  # the verdict off the API server's event loop, before vLLM's own checks
@@ -64,3 +78,77 @@ class RequestValidator(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
+
+
+# --------------------------------------------------------------------------- tool calls
+def tool_refusal(error: ConstraintError):
+    """The 400 (``VLLMValidationError``) for a tool request the library refuses."""
+    from vllm.exceptions import VLLMValidationError
+
+    parameter = "tool_choice" if isinstance(error, policy.ToolParserError) else "tools"
+    message = str(error) if str(error).startswith("neuron_constrain:") else f"neuron_constrain: {error}"
+    return VLLMValidationError(message, parameter=parameter)
+
+
+def served_parser(parser_cls, parser_name: str):
+    """A subclass of vLLM's composed parser class whose requests with tools get the library's grammar."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    tool_parser = parser_cls.tool_parser_cls
+    if tool_parser is None or getattr(parser_cls, "neuron_constrain_parser", None):
+        return parser_cls
+    # read required / named answers in the family's own format, as auto ones
+    reader = type(tool_parser.__name__, (tool_parser,), {"supports_required_and_named": False})
+
+    def adjust_request(self, request):
+        strict = policy.is_strict(request, int(self.tool_strict_level))
+        constraint = None
+        if strict:
+            try:
+                constraint = policy.library_constraint(request, parser_name, self.model_tokenizer)
+            except ConstraintError as error:
+                raise tool_refusal(error) from None
+        request = parser_cls.adjust_request(self, request)
+        if constraint is not None:
+            request.structured_outputs = StructuredOutputsParams(**policy.structured_outputs(constraint))
+            request.response_format = None
+        elif strict and not _vllm_enforces(request):
+            raise tool_refusal(policy.ToolParserError(
+                f"neuron_constrain: --tool-call-parser {parser_name!r}: neither neuron_constrain nor vLLM builds a "
+                f"grammar for tool_choice={policy.plain(request.tool_choice)!r} with these options here, so the call "
+                "cannot be enforced; send tool_choice=\"required\" or a named tool"))
+        return request
+
+    return type(parser_cls.__name__, (parser_cls,), {
+        "tool_parser_cls": reader, "adjust_request": adjust_request, "neuron_constrain_parser": parser_name,
+        "__module__": __name__})
+
+
+def _vllm_enforces(request) -> bool:
+    """Whether vLLM's own structural tag enforces the request's calls (after its ``adjust_request``)."""
+    so = getattr(request, "structured_outputs", None)
+    return so is not None and so.structural_tag is not None
+
+
+def install_tool_calls() -> None:
+    """Wrap vLLM's ``ParserManager.get_parser`` so that every parser it composes for a ``--tool-call-parser``
+    is :func:`served_parser`'s (idempotent; the API server process)."""
+    from vllm.parser import ParserManager
+
+    original = ParserManager.__dict__["get_parser"].__func__
+    if getattr(original, "neuron_constrain_tools", False):
+        return
+
+    def get_parser(cls, tool_parser_name=None, *args, **kwargs):
+        parser_cls = original(cls, tool_parser_name, *args, **kwargs)
+        if parser_cls is None or not tool_parser_name:
+            return parser_cls
+        if kwargs.get("tokenizer") is not None and tool_parser_name in policy.PARSER_FAMILIES:
+            policy.library_tokenizer(kwargs["tokenizer"])  # at start: not in the first tool request's path
+        return served_parser(parser_cls, tool_parser_name)
+
+    get_parser.neuron_constrain_tools = True
+    ParserManager.get_parser = classmethod(functools.wraps(original)(get_parser))
+
+
+install_tool_calls()  # requests with tools get the library's grammar for the --tool-call-parser's family

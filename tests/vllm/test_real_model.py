@@ -61,8 +61,10 @@ def _calls(choice):
 
 
 def test_tool_call_required_has_sensible_arguments(smollm2):
+    # one call: with parallel calls allowed, the library's hermes grammar lets this 135M model repeat its call
+    # until max_tokens (the cut last block makes vLLM's hermes parser return no calls)
     (choice,) = choices(smollm2, [("chat", dict(messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
-                                                 max_tokens=60, temperature=0))])
+                                                 max_tokens=60, temperature=0, parallel_tool_calls=False))])
     calls = _calls(choice)
     assert calls and "paris" in calls[0]["city"].lower() and calls[0]["unit"] == "celsius", calls
 

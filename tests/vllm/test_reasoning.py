@@ -111,9 +111,11 @@ TOOL_SAMPLING = dict(frequency_penalty=1.5, max_tokens=96, tools=TOOLS, parallel
 
 
 def test_tool_calls_required_and_auto_after_the_thought(servers):
+    """Not token-identical to stock: the plugin's ``required`` grammar is the library's hermes family
+    (``<tool_call>`` matched as the token, then the call), stock's is vLLM's tag (``<tool_call>\n{...``)."""
     requests = [_chat(3, tool_choice="required", **TOOL_SAMPLING),
                 _chat(2, tool_choice="auto", logit_bias=BIAS_TOOL_CALL, **TOOL_SAMPLING)]
-    got = _both(servers, requests)
+    got = choices(servers[1], requests)
     for budget, choice in zip((3, 2), got):
         assert len(_thought(choice)) == budget
         check_tool_calls(choice.message, choice.finish_reason)
