@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import os
 import re
@@ -325,19 +324,6 @@ def plain(value):
     return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
 
 
-def check_tool_schemas(tools: list[dict]) -> None:
-    """Refuse a tool whose parameters hold a keyword xgrammar (the tool grammars' engine) does not enforce,
-    naming the tool and the keyword's JSON pointer (``ConstraintError``)."""
-    for tool in tools:
-        function = tool.get("function") or {}
-        try:
-            keywords.check(function.get("parameters") or {"type": "object"}, "xgrammar")
-        except ConstraintError as error:
-            refused = ConstraintError(f"tool {function.get('name')!r}: {error}")
-            refused.unenforced = getattr(error, "unenforced", None)  # type: ignore[attr-defined]
-            raise refused from error
-
-
 @functools.lru_cache(maxsize=4)
 def _library_tokenizer(tokenizer):
     from neuron_constrain.structured import tokenizers
@@ -358,27 +344,20 @@ def library_tokenizer(tokenizer):
 
 
 def library_constraint(request, parser: str, tokenizer):
-    """The library's tool-call constraint for ``request`` (a ``ChatCompletionRequest``), or None where the
-    library builds none for it (``auto`` or ``response_format`` beside tools, with a library that has no
-    grammar for them).
+    """The library's tool-call constraint for ``request`` (a ``ChatCompletionRequest``): the calls in the
+    parser's family (``auto``: free text, then calls; with ``response_format``: calls, or the response's JSON).
 
     Raises:
         ToolParserError: the parser has no family (see :func:`family`).
-        ConstraintError: a tool the library refuses (a keyword no engine enforces, a named tool not listed).
+        ConstraintError: a tool the library refuses (a keyword no engine enforces, named with the tool and
+            its pointer; a named tool not listed).
     """
-    name = family(parser)
-    tools = [plain(t) for t in request.tools]
-    check_tool_schemas(tools)
     choice = plain(request.tool_choice) if request.tool_choice is not None else "auto"
-    accepted = inspect.signature(library_tools.tool_constraint).parameters
-    options = {"format": name, "tokenizer": library_tokenizer(tokenizer),
-               "parallel_tool_calls": request.parallel_tool_calls is not False}
     response_format = _response_schema(request)
-    if response_format is not None and choice == "auto":
-        if "response_format" not in accepted:
-            return None
-        options["response_format"] = response_format
-    return library_tools.tool_constraint(tools, choice, **options)
+    return library_tools.tool_constraint(
+        [plain(t) for t in request.tools], choice, format=family(parser), tokenizer=library_tokenizer(tokenizer),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        **({"response_format": response_format} if response_format is not None and choice == "auto" else {}))
 
 
 def _response_schema(request):

@@ -21,6 +21,7 @@ import keyword
 
 from neuron_constrain.structured.constraints import ConstraintError, json_schema
 from neuron_constrain.structured.schema.prepare import prepare
+from neuron_constrain.structured.schema.rewrite import walk
 from neuron_constrain.structured.tool_calls import families as F
 
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -84,8 +85,9 @@ def json_arguments(tool: str, parameters, whitespace: int, at: str = "") -> dict
     except ConstraintError as error:
         raise ConstraintError(f"tool {tool!r}{' at ' + at if at else ''}: {error}") from error
     if view.plan is not None:
-        path = min(view.plan.reached, default="#")
-        raise refused(tool, str(path), "a keyword only the host's item tracker enforces (uniqueItems / contains)",
+        path = next((at for at, node in walk(view.plan.schema) if id(node) in view.plan.reached
+                     and ("uniqueItems" in node or "contains" in node)), "#")
+        raise refused(tool, (at or "#") + path[1:], "a keyword only the host's item tracker enforces (uniqueItems / contains)",
                       "tool arguments run no tracker: remove it from the parameters")
     return {"type": "json_schema", "json_schema": view.schema, "max_whitespace_cnt": whitespace}
 
@@ -229,7 +231,7 @@ def _xml_arguments(tool: str, parameters: dict, whitespace: int) -> dict:
                           "<parameter=NAME>", "rename the parameter, or use a family with JSON arguments")
         kind = None if isinstance(schema, dict) and ("enum" in schema or "const" in schema) else _kind(schema, tool, path, "XML")
         if kind in ("object", "array"):
-            value = json_arguments(f"{tool}.{key}", schema, whitespace)
+            value = json_arguments(tool, schema, whitespace, path)
         elif kind == "string":
             _extra(schema, {"type", "minLength", "maxLength"}, tool, path, "XML")
             if "minLength" in schema or "maxLength" in schema:  # counted: no newline inside (narrowed), so the
