@@ -201,3 +201,36 @@ def test_mistral_tokens_stream_into_the_whole_parsers_calls(tekken, tekken_v11, 
     deltas += stream.finish()
     whole = parse_tool_calls("", [SHORT, PING], "auto", format="mistral", tokens=tokens, tokenizer=tok)
     assert assembled(deltas) == whole == ("Sure.", calls)
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special", "added-as-text"])
+def test_auto_free_text_never_takes_the_trigger_token(special):
+    """hermes ``auto`` where ``<tool_call>`` is one token, special or added, and the engine's token table (vLLM's,
+    ``TokenizerInfo.from_huggingface``) reads its text as text. Either way the token opens a call and free text
+    never spells it (the grammar once let the vLLM lane's model repeat the token as free text, never opening a
+    call)."""
+    from transformers import AutoTokenizer
+
+    from neuron_constrain.models import smollm2_dir
+    from neuron_constrain.structured import from_huggingface
+    from neuron_constrain.structured.tool_calls.families import FAMILIES, write_calls
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir()))
+    tags = ["<tool_call>", "</tool_call>"]
+    hf.add_special_tokens({"additional_special_tokens": tags}) if special else hf.add_tokens(tags)
+    tok = from_huggingface(hf)
+    trigger = hf.convert_tokens_to_ids("<tool_call>")
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tok.info.vocab_size)  # as vLLM builds it: the
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar(                 # token's text is text
+        tool_constraint([SHORT], "auto", format="hermes", tokenizer=tok).spec)
+    prose = hf.encode("Sure. ", add_special_tokens=False)
+    answer = hf.encode("Sure. " + write_calls(FAMILIES["hermes"], [ToolCall("get_weather", {"unit": "c"})]),
+                       add_special_tokens=False)
+    assert trigger in answer
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in answer) and matcher.accept_token(tok.eos_id)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in prose) and matcher.accept_token(trigger)
+    assert not any(matcher.accept_token(t) for t in [trigger, *prose])  # after the trigger, the call: no text
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in prose) and matcher.accept_token(tok.eos_id)  # text alone answers

@@ -118,10 +118,11 @@ class _Builder:
         return _seq([e for e in elements if e.get("value", None) != ""])
 
     def free_text(self) -> dict:
-        """Text that never holds the trigger (a trigger that opens with a control token the vocabulary has
-        cannot be text: no exclusion needed)."""
-        first = _pieces(self.family.trigger, self.family, self.tokenizer)[0]
-        return {"type": "any_text", "excludes": [] if first["type"] == "token" else [self.family.trigger]}
+        """Text that never holds the trigger's text. Where the trigger opens with a control token, the
+        exclusion still holds: a vocabulary may also carry that token's text as text (an added token that is
+        not special), and free text spelling the trigger would be read as a call by the parser, or keep the
+        grammar in free text after the token itself."""
+        return {"type": "any_text", "excludes": [self.family.trigger]}
 
 
 def _forms_section(builders: list[_Builder], names: list[str], low: int, high: int | None) -> dict:
