@@ -71,13 +71,14 @@ def test_tool_call_required_has_sensible_arguments(smollm2):
 
 def test_tool_call_auto_through_the_chat_template(smollm2):
     """``auto``: the template lists the tool; vLLM's hermes parser reads a <tool_call> the model opens,
-    and the structural tag's grammar (enforced by the plugin's mask) keeps it a valid call. This
+    and the library's hermes grammar (free text, then calls; one call here, as in the required test) keeps it
+    a valid call. This
     135M model answers weather questions in text under ``auto`` (tried: three prompts, three system
     prompts, a few-shot history): a logit_bias on its first token, "<", nudges it to open the call,
     and the call it then writes has the user's city. Without the nudge ``auto`` leaves it text."""
     nudged, plain = choices(smollm2, [
         ("chat", dict(messages=ASK_WEATHER, tools=[WEATHER], tool_choice="auto", max_tokens=60, temperature=0,
-                      logit_bias={"44": 10})),  # 44: "<", the first token of "<tool_call>"
+                      logit_bias={"44": 10}, parallel_tool_calls=False)),  # 44: "<", the first token of "<tool_call>"
         ("chat", dict(messages=ASK_WEATHER, tools=[WEATHER], tool_choice="auto", max_tokens=24, temperature=0)),
     ])
     calls = _calls(nudged)

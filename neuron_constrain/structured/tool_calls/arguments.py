@@ -19,7 +19,8 @@ import ast
 import json
 import keyword
 
-from neuron_constrain.structured.constraints import ConstraintError, json_schema
+from neuron_constrain.structured.constraints import ConstraintError, engine_message, json_schema
+from neuron_constrain.structured.engines.xgrammar.grammars import structural_tag_text
 from neuron_constrain.structured.schema.prepare import prepare
 from neuron_constrain.structured.schema.rewrite import walk
 from neuron_constrain.structured.tool_calls import families as F
@@ -89,7 +90,14 @@ def json_arguments(tool: str, parameters, whitespace: int, at: str = "") -> dict
                      and ("uniqueItems" in node or "contains" in node)), "#")
         raise refused(tool, (at or "#") + path[1:], "a keyword only the host's item tracker enforces (uniqueItems / contains)",
                       "tool arguments run no tracker: remove it from the parameters")
-    return {"type": "json_schema", "json_schema": view.schema, "max_whitespace_cnt": whitespace}
+    element = {"type": "json_schema", "json_schema": view.schema, "max_whitespace_cnt": whitespace}
+    try:  # xgrammar's tag reads less than its JSON-schema compiler (a `false` subschema): named per tool here
+        structural_tag_text({"type": "structural_tag", "format": element})
+    except Exception as error:  # noqa: BLE001 - xgrammar's own exception types
+        raise ConstraintError(f"tool {tool!r}{' at ' + at if at else ''}: xgrammar's tool grammar cannot hold these "
+                              f"parameters ({engine_message(error)}); simplify them (a property the schema forbids: "
+                              "`additionalProperties: false` without it)") from error
+    return element
 
 
 def _extra(schema: dict, allowed: set, tool: str, path: str, spelling: str) -> None:
