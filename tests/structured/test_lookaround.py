@@ -92,6 +92,7 @@ SETTINGS = settings(max_examples=examples(40), suppress_health_check=list(Health
 
 @SETTINGS
 @example(case=(r"(?:(?!a)\w)+\b", ["b", "ba", "bé", "b a"]))
+@example(case=(r"\B$", ["", "a", " "]))  # Python's \B (3.11) never matches in an empty text, ECMA's does
 @given(case=lookaround_cases())
 def test_the_built_language_is_python_s_where_the_dialects_agree(case):
     pattern, strings = case

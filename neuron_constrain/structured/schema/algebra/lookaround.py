@@ -110,6 +110,8 @@ class LookNfa(Nfa):
         if kind == "boundary":  # narrow: both readings see one (both hold); wide: either
             _, negated, wide = node
             both = [_boundary(shorthand("w", wide=reading), negated) for reading in (False, True)]
+            if negated and not wide:  # Python's \B (before 3.14) never matches in an empty text, ECMA's does
+                both.append(("alt", (("look", False, False, _ANY_CHAR), ("look", True, False, _ANY_CHAR))))
             return self.build(("alt" if wide else "seq", tuple(both)))
         if kind != "look":
             raise ValueError(f"no automaton for a {kind!r} node")
