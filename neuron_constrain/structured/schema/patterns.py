@@ -15,8 +15,8 @@ of code-point sets, sequences, alternations and repetitions; every construct the
 agree on is rewritten with its meaning kept (a *rewrite* feature: ``\\d`` -> ``[0-9]``, lazy ->
 greedy, anchors at the edges of a branch -> a full match); lookarounds, ``\\b``/``\\B`` and anchors
 beside them stay in the tree as zero-width ``look``/``boundary``/``start``/``end`` nodes, whose
-exact language ``algebra/lookaround.py`` builds by automata; every other construct is a *refused*
-feature naming its offset (backreferences, flags, ``{,n}``, ...). Where the dialects differ on a
+exact language ``algebra/lookaround.py`` builds by automata (anchors in a repetition too); every other
+construct is a *refused* feature naming its offset (backreferences, flags, ``{,n}``, ...). Where the dialects differ on a
 set (``\\D``, ``\\W``, ``.``, ``\\b``'s ``\\w``) the tree takes the intersection: an engine may refuse a
 string one reading accepts, never accept one either reading refuses (inside a negated class or a
 negative lookaround the other way, so that what it excludes is the wider). ``parse(source,
@@ -47,6 +47,7 @@ REWRITES = {
     "bracket text in a class": "`[[:alpha:]]` -> ECMA-262's meaning (one of `[:alph`, then `]`), written escaped",
     "edge anchor": "`^`/`$` at the edges of a branch -> the search written as a full match",
     "unmatchable anchor": "a `^` after text that cannot be empty (or `$` before) -> that branch matches nothing",
+    "anchor in the middle": "`^`/`$` in a repetition (or past the edge rewrite's alternatives) -> built as lookarounds",
     **{name: f"`{text}` -> its exact language, built by automata (`algebra/lookaround.py`)" for name, text in (
         ("lookahead", "(?=...)"), ("negative lookahead", "(?!...)"), ("lookbehind", "(?<=...)"),
         ("negative lookbehind", "(?<!...)"), ("word boundary", "\\b`, `\\B"))},
@@ -58,7 +59,6 @@ REFUSED = {
                                  "alternatives differ in length",
     "lookaround inside a lookbehind": "`(?<=(?=a).)`, `(?<=^a)`: not built here; write the lookbehind without it",
     "backreference": "`\\1`, `\\k<name>`: no engine enforces it",
-    "anchor in the middle": "`^`/`$` inside a repetition, or more alternatives than the rewrite makes",
     "inline flags": "`(?i)`, `(?i:...)`: not ECMA-262 (Python's re reads them)",
     "Python-only syntax": "`(?P<..>`, `(?P=..)`, `(?#..)`, `(?>..)`, `(?(..)`, possessive `*+`: not ECMA-262",
     "quantifier {,n}": "ECMA-262 reads `{,n}` as text, Python's re as `{0,n}`: write `{0,n}`",
@@ -368,9 +368,9 @@ def parse(source: str, wide: bool = False) -> Pattern:
         raise ConstraintError(f"a pattern must be a string, got {type(source).__name__}")
     parser = _Parser(source, wide)
     tree = parser.parse()
-    if _holds(tree, ("look", "boundary")):  # an automaton reads every assertion where it stands (algebra/lookaround.py)
-        return Pattern(source, tree, tuple(parser.features), ((False, False, (tree,)),))
-    branches = _edges(tree, parser)
+    branches = None if _holds(tree, ("look", "boundary")) else _edges(tree, parser)
+    if branches is None or any(f.name == "anchor in the middle" for f in parser.features):  # algebra/lookaround.py
+        return Pattern(source, tree, tuple(parser.features), ((False, False, (tree,)),))  # reads them where they stand
     if wide:  # Python's `$` also matches before a final newline
         newline = ("repeat", ("chars", ((0x0A, 0x0A),)), 0, 1)
         branches = tuple((left, right, items + (newline,) * right) for left, right, items in branches)
