@@ -355,7 +355,7 @@ def examples(classes: dict[str, type]) -> dict[str, str]:
 
     runtime = S.StructuredRuntime(g.tok, max_rows=2)
     try:
-        password = {"type": "object", "properties": {"password": {"type": "string", "pattern": "^(?=.*[0-9]).{8,}$"}}}
+        password = {"type": "object", "properties": {"password": {"type": "string", "pattern": "^(.).{6,}\\1$"}}}
         runtime.add("a", S.json_schema(password))
         runtime.add("b", S.choice(["yes", "no"]))
         runtime.wait(["a", "b"], timeout=60)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from neuron_constrain import structured as S
 from neuron_constrain.structured.schema import code_points as C
 from neuron_constrain.structured.schema import patterns as P
+from neuron_constrain.structured.schema.algebra.lookaround import language
 from neuron_constrain.structured.schema.pattern_text import to_ebnf, to_regex
 from neuron_constrain.testing.schemas import PATTERNS_DRAWN, readable
 from tests.conftest import examples
@@ -25,13 +26,13 @@ pytestmark = pytest.mark.torch_agnostic(lane="latest")
 
 
 @pytest.mark.parametrize("source, feature, offset", [
-    (r"^(?=.*[0-9]).+$", "lookahead", 1),
-    (r"^(?!admin$)\w+$", "negative lookahead", 1),
-    (r"(?<=a)b", "lookbehind", 0),
-    (r"(?<!a)b", "negative lookbehind", 0),
+    (r"(?<=a+)b", "variable-width lookbehind", 0),
+    (r"x(?<!a|bc)b", "variable-width lookbehind", 1),
+    (r"(?<=^a)b", "lookaround inside a lookbehind", 0),
+    (r"(?<=(?=a).)b", "lookaround inside a lookbehind", 0),
+    (r"(?<=\ba)b", "lookaround inside a lookbehind", 0),
     (r"(a)\1", "backreference", 3),
     (r"(?<x>a)\k<x>", "backreference", 7),
-    (r"\bword\b", "word boundary", 0),
     (r"(?i)abc", "inline flags", 0),
     (r"(?P<x>a)", "Python-only syntax", 0),
     (r"a*+", "Python-only syntax", 2),
@@ -44,7 +45,6 @@ pytestmark = pytest.mark.torch_agnostic(lane="latest")
     (r"[]a]", "empty class", 0),
     (r"[^]", "empty class", 0),
     (r"[\d-z]", "class escape in a range", 3),
-    (r"(^a)*", "anchor in the middle", 0),
 ])
 def test_each_refused_feature_is_named_with_its_offset(source, feature, offset):
     pattern = P.parse(source)
@@ -155,7 +155,10 @@ def test_what_the_tree_matches_python_matches(source, strings):
         return
     if pattern.refused is not None:
         return
-    tree = P.full_match(pattern, search=True)
+    try:
+        tree = language(pattern, search=True)
+    except S.ConstraintError:
+        return  # past a cap: refused by name
     ours = re.compile(_python(tree)) if tree is not None else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

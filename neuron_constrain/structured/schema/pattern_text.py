@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.schema.code_points import complement, subtract
-from neuron_constrain.structured.schema.patterns import CONTROLS_WITHOUT_ESCAPES, Pattern, full_match, parse
+from neuron_constrain.structured.schema.algebra.lookaround import language
+from neuron_constrain.structured.schema.patterns import CONTROLS_WITHOUT_ESCAPES, Pattern, parse
+
 
 def _escape(code: int) -> str:
     char = chr(code)
@@ -69,7 +71,7 @@ def _regex(node) -> str:
 def to_regex(pattern: Pattern, *, search: bool, anchored: bool) -> str:
     """The pattern in the plain syntax (sets written by code point, ``(?:)`` groups, counted repeats),
     matched against the whole text (``anchored`` adds ``^...$`` for an engine that searches)."""
-    tree = full_match(pattern, search=search)
+    tree = language(pattern, search=search)
     if tree is None:
         raise ConstraintError(f"the pattern {pattern.source!r} matches no string; fix the pattern")
     body = _regex(tree)
@@ -142,7 +144,7 @@ def _ebnf(node, json: bool) -> str:
 def to_ebnf(pattern: Pattern, *, search: bool, json: bool) -> str:
     """The pattern as one xgrammar EBNF expression matched against the whole text; ``json``: over
     the text a JSON string writes (``"`` as ``\\"``, a newline as ``\\n`` or ``\\u000a``, ...)."""
-    tree = full_match(pattern, search=search)
+    tree = language(pattern, search=search)
     if tree is None:
         raise ConstraintError(f"the pattern {pattern.source!r} matches no string; fix the pattern")
     return _ebnf(tree, json)

@@ -2,33 +2,26 @@
 
     pattern = parse(r"^\\d{3}-[a-z.]+$")       # Pattern: the tree, its features (name, offset)
     pattern.refused                             # the first feature no engine enforces (Feature), or None
-    to_regex(pattern, search=True)              # a full-match regex in plain syntax (every engine reads it alike)
-    to_ebnf(pattern, search=True, json=True)    # the same language as xgrammar EBNF, over JSON-escaped text
+    full_match(pattern, search=True)            # the tree matched against the whole text
 
 JSON Schema's ``pattern``, ``patternProperties`` and ``propertyNames`` are ECMA-262 regular
 expressions matched anywhere in the string (``search``); a ``regex(...)`` constraint matches the
-whole output. The referee (``jsonschema``, ``validate_output``) runs Python's ``re``. The
-engines read neither dialect faithfully (measured on xgrammar 0.2.8 and llguidance 1.9.1):
-xgrammar drops lookaheads and mid-pattern anchors, lets ``.`` match a newline, reads ``[\\^a]``
-as a negated class in a regex constraint, rewrites ``(?:`` inside a JSON-schema pattern, and
-matches JSON-schema patterns against the *escaped* text (a pattern allowing ``"`` lets a raw
-quote into the JSON); llguidance reads ``[[:alpha:]]`` as a POSIX class and ``\\d`` as Unicode.
-
-So no pattern reaches an engine as the user wrote it. :func:`parse` builds a tree of code-point
-sets, sequences, alternations and repetitions; every construct whose meaning the two
-dialects (ECMA-262, Python) agree on is rewritten into that tree with the meaning kept (each
-recorded as a *rewrite* feature: ``\\d`` -> ``[0-9]``, ``.`` -> every character but a line
-terminator, lazy -> greedy, anchors at the edges of a branch -> a full match); every other
-construct is a *refused* feature naming its offset (lookaround, backreferences, ``\\b``, flags,
-anchors in the middle, ``{,n}``, ...). Where the dialects differ on a set (``\\D``, ``\\W``,
-``\\S``, ``.``) the tree takes the intersection: an engine may then refuse a string one reading
-accepts, never accept one either reading refuses (inside a negated class a member is read at its
-widest, so that the class stays the narrower one). ``parse(source, wide=True)`` reads the other
-way: every set the union of the two readings and a final ``$`` also before a last newline (as
-Python's ``$`` matches), a language holding every string either reading matches; what a
-complement (``algebra/regular.py``) must exclude. The emitters write only sets, groups,
-alternation and counted repetition, with every non-alphanumeric character escaped by code
-point, so both engines read the text the same way.
+whole output. The referee (``jsonschema``, ``validate_output``) runs Python's ``re``. The engines
+read neither dialect faithfully (xgrammar 0.2.8 drops lookaheads and mid-pattern anchors, lets
+``.`` match a newline, reads ``[\\^a]`` as negated, matches JSON-schema patterns against the
+*escaped* text; llguidance 1.9.1 reads ``[[:alpha:]]`` as POSIX and ``\\d`` as Unicode), so no
+pattern reaches an engine as written (``pattern_text.py`` writes it). :func:`parse` builds a tree
+of code-point sets, sequences, alternations and repetitions; every construct the two dialects
+agree on is rewritten with its meaning kept (a *rewrite* feature: ``\\d`` -> ``[0-9]``, lazy ->
+greedy, anchors at the edges of a branch -> a full match); lookarounds, ``\\b``/``\\B`` and anchors
+beside them stay in the tree as zero-width ``look``/``boundary``/``start``/``end`` nodes, whose
+exact language ``algebra/lookaround.py`` builds by automata (anchors in a repetition too); every other
+construct is a *refused* feature naming its offset (backreferences, flags, ``{,n}``, ...). Where the dialects differ on a
+set (``\\D``, ``\\W``, ``.``, ``\\b``'s ``\\w``) the tree takes the intersection: an engine may refuse a
+string one reading accepts, never accept one either reading refuses (inside a negated class or a
+negative lookaround the other way, so that what it excludes is the wider). ``parse(source,
+wide=True)`` reads the other way: each set the union of the readings and ``$`` also before a last
+newline (as Python's ``$``): every string either reading matches, what a complement excludes.
 """
 from __future__ import annotations
 
@@ -54,17 +47,18 @@ REWRITES = {
     "bracket text in a class": "`[[:alpha:]]` -> ECMA-262's meaning (one of `[:alph`, then `]`), written escaped",
     "edge anchor": "`^`/`$` at the edges of a branch -> the search written as a full match",
     "unmatchable anchor": "a `^` after text that cannot be empty (or `$` before) -> that branch matches nothing",
+    "anchor in the middle": "`^`/`$` in a repetition (or past the edge rewrite's alternatives) -> built as lookarounds",
+    **{name: f"`{text}` -> its exact language, built by automata (`algebra/lookaround.py`)" for name, text in (
+        ("lookahead", "(?=...)"), ("negative lookahead", "(?!...)"), ("lookbehind", "(?<=...)"),
+        ("negative lookbehind", "(?<!...)"), ("word boundary", "\\b`, `\\B"))},
 }
 CONTROLS_WITHOUT_ESCAPES = "every control character without the quote or backslash"
 # Constructs no engine enforces with the referee's meaning, or that the dialects read differently.
 REFUSED = {
-    "lookahead": "`(?=...)`: xgrammar ignores it, llguidance refuses it",
-    "negative lookahead": "`(?!...)`: xgrammar ignores it, llguidance refuses it",
-    "lookbehind": "`(?<=...)`: no engine enforces it",
-    "negative lookbehind": "`(?<!...)`: no engine enforces it",
+    "variable-width lookbehind": "`(?<=a+)`, `(?<!a|bc)`: Python's re, the referee, refuses a lookbehind whose "
+                                 "alternatives differ in length",
+    "lookaround inside a lookbehind": "`(?<=(?=a).)`, `(?<=^a)`: not built here; write the lookbehind without it",
     "backreference": "`\\1`, `\\k<name>`: no engine enforces it",
-    "word boundary": "`\\b`, `\\B`: no engine enforces it",
-    "anchor in the middle": "`^`/`$` inside a repetition, or more alternatives than the rewrite makes",
     "inline flags": "`(?i)`, `(?i:...)`: not ECMA-262 (Python's re reads them)",
     "Python-only syntax": "`(?P<..>`, `(?P=..)`, `(?#..)`, `(?>..)`, `(?(..)`, possessive `*+`: not ECMA-262",
     "quantifier {,n}": "ECMA-262 reads `{,n}` as text, Python's re as `{0,n}`: write `{0,n}`",
@@ -91,8 +85,8 @@ class Feature:
 @dataclasses.dataclass(frozen=True)
 class Pattern:
     source: str
-    tree: tuple  # ("chars", ranges) | ("seq", items) | ("alt", branches) | ("repeat", node, lo, hi) | ("start",)
-    #              | ("end",); hi None = unbounded
+    tree: tuple  # ("chars", ranges) | ("seq", items) | ("alt", branches) | ("repeat", node, lo, hi: None unbounded)
+    #   | ("start",) | ("end", wide) | ("look", ahead, negated, node) | ("boundary", negated, wide): zero-width
     features: tuple[Feature, ...]
     branches: tuple = ()  # each alternative as (starts anchored, ends anchored, items): anchors moved to the edges
 
@@ -103,9 +97,7 @@ class Pattern:
     def refusal(self, enforced: frozenset = frozenset()) -> ConstraintError | None:
         """The error for a ``regex(...)`` constraint with a refused feature outside ``enforced``, or None."""
         feature = next((f for f in self.features if f.refused and f.name not in enforced), None)
-        if feature is None:
-            return None
-        return ConstraintError(
+        return None if feature is None else ConstraintError(
             f"the regex {self.source!r} uses {feature.name} at offset {feature.offset} ({REFUSED[feature.name]}); "
             "no engine here enforces it with the meaning ECMA-262 and Python's re give it: rewrite the regex without it")
 
@@ -179,7 +171,7 @@ class _Parser:
             self.at += match.end()
         else:
             return None
-        if atom is None or atom[0] in ("start", "end"):
+        if atom is None or atom[0] in ("start", "end", "boundary"):
             raise self.error("a quantifier with nothing to repeat", start)
         if self.peek() == "?":
             self.note("lazy quantifier", self.at)
@@ -197,7 +189,7 @@ class _Parser:
         if char == "^":
             return ("start",)
         if char == "$":
-            return ("end",)
+            return ("end", self.wide)  # Python's `$` also matches before a final newline: the wide reading takes it
         if char == ".":
             self.note("dot", start)
             return ("chars", subtract(ANY, ((0x0A, 0x0A),) if self.wide else LINE_TERMINATORS))
@@ -223,10 +215,16 @@ class _Parser:
         kind = next((name for prefix, name in kinds if rest.startswith(prefix)), None)
         if kind is not None:
             self.note(kind, start)
-            self.at += 2 if kind.endswith("lookahead") else 3
-            self.disjunction(depth + 1)
+            ahead, negated = kind.endswith("lookahead"), kind.startswith("negative")
+            self.at += 2 if ahead else 3
+            self.wide ^= negated  # what a negative lookaround excludes is read the other way (as a negated class)
+            inner = self.disjunction(depth + 1)
+            self.wide ^= negated
             self.close(start)
-            return ("refused",)
+            if not ahead and (_holds(inner, ("start", "end", "look", "boundary")) or len(set(_width(inner))) != 1):
+                nested = _holds(inner, ("start", "end", "look", "boundary"))
+                self.note("lookaround inside a lookbehind" if nested else "variable-width lookbehind", start)
+            return ("look", ahead, negated, inner)
         if rest.startswith("?:"):
             self.note("group syntax", start)
             self.at += 2
@@ -274,7 +272,7 @@ class _Parser:
             return ("chars", ((8, 8),))
         if char in "bB":
             self.note("word boundary", start)
-            return ("refused",)
+            return ("boundary", char == "B", self.wide)
         if char == "k" and self.peek() == "<" or char.isdigit() and char != "0":
             backreference = not in_class and (self.groups or char == "k")
             self.note("backreference" if backreference else "ambiguous escape", start)
@@ -370,34 +368,40 @@ def parse(source: str, wide: bool = False) -> Pattern:
         raise ConstraintError(f"a pattern must be a string, got {type(source).__name__}")
     parser = _Parser(source, wide)
     tree = parser.parse()
-    branches = _edges(tree, parser)
+    branches = None if _holds(tree, ("look", "boundary")) else _edges(tree, parser)
+    if branches is None or any(f.name == "anchor in the middle" for f in parser.features):  # algebra/lookaround.py
+        return Pattern(source, tree, tuple(parser.features), ((False, False, (tree,)),))  # reads them where they stand
     if wide:  # Python's `$` also matches before a final newline
         newline = ("repeat", ("chars", ((0x0A, 0x0A),)), 0, 1)
-        branches = tuple((left, right, items + (newline,) if right else items) for left, right, items in branches)
+        branches = tuple((left, right, items + (newline,) * right) for left, right, items in branches)
     return Pattern(source, tree, tuple(parser.features), branches)
 
 
 # --------------------------------------------------------------------------- anchors to the edges
-def _has_anchor(node) -> bool:
+def _holds(node, kinds: tuple) -> bool:
+    """Whether ``node`` holds a node of one of ``kinds`` (anchors: ``start``, ``end``; ``look``, ``boundary``)."""
     kind = node[0]
-    if kind in ("start", "end"):
-        return True
     if kind in ("seq", "alt"):
-        return any(_has_anchor(child) for child in node[1])
-    return kind == "repeat" and _has_anchor(node[1])
+        return any(_holds(child, kinds) for child in node[1])
+    return kind in kinds or kind == "repeat" and _holds(node[1], kinds)
+
+
+def _width(node) -> tuple:
+    """The fewest and the most characters ``node`` matches (None: no most)."""
+    kind = node[0]
+    if kind in ("seq", "alt"):
+        lows, highs = zip(*[_width(child) for child in node[1]] or [(0, 0)])
+        pick = (min, max) if kind == "alt" else (sum, sum)
+        return pick[0](lows), None if None in highs else pick[1](highs)
+    if kind == "repeat":
+        low, high = _width(node[1])
+        return low * node[2], None if None in (high, node[3]) else high * node[3]
+    return (1, 1) if kind == "chars" else (0, 0)
 
 
 def nullable(node) -> bool:
-    kind = node[0]
-    if kind == "chars":
-        return False
-    if kind == "seq":
-        return all(nullable(child) for child in node[1])
-    if kind == "alt":
-        return any(nullable(child) for child in node[1])
-    if kind == "repeat":
-        return node[2] == 0 or nullable(node[1])
-    return True  # anchors (zero-width) and refused constructs (refused anyway)
+    """Whether ``node`` matches the empty string (anchors, lookarounds and refused nodes are zero-width)."""
+    return _width(node)[0] == 0
 
 
 def _expand(node, parser: _Parser) -> list[list]:
@@ -412,13 +416,13 @@ def _expand(node, parser: _Parser) -> list[list]:
                 parser.note("anchor in the middle", 0)
                 return [[node]]
         return out
-    if kind == "alt" and _has_anchor(node):
+    if kind == "alt" and _holds(node, ("start", "end")):
         out = [items for child in node[1] for items in _expand(child, parser)]
         if len(out) > MAX_BRANCHES:
             parser.note("anchor in the middle", 0)
             return [[node]]
         return out
-    if kind == "repeat" and _has_anchor(node):
+    if kind == "repeat" and _holds(node, ("start", "end")):
         parser.note("anchor in the middle", 0)
     return [[node]]
 
@@ -484,17 +488,13 @@ def _prune(node):
     kind = node[0]
     if kind == "chars":
         return node if node[1] else None
-    if kind == "seq":
-        items = [_prune(child) for child in node[1]]
-        if any(item is None for item in items):
-            return None
-        return items[0] if len(items) == 1 else ("seq", tuple(items))
-    if kind == "alt":
-        branches = [b for b in map(_prune, node[1]) if b is not None]
-        return None if not branches else branches[0] if len(branches) == 1 else ("alt", tuple(branches))
     if kind == "repeat":
         inner = _prune(node[1])
-        if inner is None:
-            return ("seq", ()) if node[2] == 0 else None
-        return ("repeat", inner, node[2], node[3])
-    return node
+        return ("repeat", inner, node[2], node[3]) if inner is not None else ("seq", ()) if node[2] == 0 else None
+    if kind not in ("seq", "alt") or not node[1]:
+        return node
+    kept = [_prune(child) for child in node[1]]
+    if kind == "seq" and any(item is None for item in kept):
+        return None
+    kept = [item for item in kept if item is not None]
+    return None if not kept else kept[0] if len(kept) == 1 else (kind, tuple(kept))

@@ -1,0 +1,156 @@
+"""Lookarounds, word boundaries and anchors beside them, built exactly (``structured/schema/algebra/lookaround.py``).
+
+Each construct on both engines (xgrammar, llguidance), as a JSON-schema ``pattern`` (a search) and as a
+``regex(...)`` constraint (a full match): what the engine accepts is what Python's ``re`` matches on
+strings both dialects read alike, and never more on the others. Then drawn patterns (hypothesis) against
+the library's own tree; the complement of such a pattern; the caps and the forms refused by name.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured.schema import patterns as P
+from neuron_constrain.structured.schema.algebra import regular
+from neuron_constrain.structured.schema.algebra.caps import Over
+from neuron_constrain.structured.schema.algebra.lookaround import language
+from neuron_constrain.testing import toy_tokenizer
+from neuron_constrain.testing.lookaround_patterns import lookaround_cases
+from neuron_constrain.testing.vocabulary import force
+from tests.conftest import examples
+from tests.structured.test_patterns import _python
+
+pytestmark = pytest.mark.torch_agnostic(lane="latest")
+
+CONSTRUCTS = {  # pattern: strings straddling it
+    "lookahead": (r"^(?=.*[0-9]).+$", ["abc", "a1", "1", "", "ab\n1", "x-1"]),
+    "negative lookahead": (r"^(?!admin$)[a-z]+$", ["admin", "admins", "adm", "x", "admin\n"]),
+    "lookahead past its group": (r"^(?:a(?=b)|b)+$", ["ab", "aa", "abab", "aab", "b", "a", "ba"]),
+    "lookahead in a repetition": (r"^(?:(?!ab).)*$", ["aab", "ba", "bba", "aaa", "a b", "b\na"]),
+    "lookbehind": (r".(?<=a)b", ["ab", "b", "xb", "bab", "ba", "aab"]),
+    "negative lookbehind": (r"^(?:(?<!a)b|a)+$", ["ab", "ba", "bb", "aab", "a", "bab"]),
+    "word boundary": (r"\b\d{3}\b", ["123", "a123", "1234", " 123 ", "12", "é123", "_123", "x.123"]),
+    "not a word boundary": (r".\Bx\B.", ["axa", "x", " x ", "ax ", "1x_", "éxé", "axé"]),
+    "anchors in a lookahead": (r"^(?!.*\.$)(?=^a).+", ["a.", "a", ".a", "ab", "ba", "a.b", "a.\n"]),
+    "nested lookarounds": (r"^(?!(?=a)ab$).*$", ["ab", "abc", "b", "a", "", "ab\n"]),
+    "end before a final newline": (r"^a(?=$)", ["a", "a\n", "ab"]),
+    "not the end": (r"^a(?!$).", ["a", "a\n", "ab", "a\nb"]),
+    "boundary after a letter": (r"^a\b", ["a", "aé", "a b", "ab", "a.", "a_"]),
+    "anchor in a repetition": (r"^(?:b|a$)*", ["bba", "ab", "a", "bab", "a\n", "", "bb"]),
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    vocabulary = toy_tokenizer()
+    return {name: E.make_engine(name, vocabulary) for name in ("xgrammar", "llguidance")}
+
+
+def _agreed(text: str, pattern: str = "") -> bool:
+    """Whether every construct here reads ``text`` alike in both dialects (ASCII, no line terminator; and
+    not empty under ``\\B``, which Python's re before 3.14 never matches in an empty text)."""
+    return text.isascii() and "\n" not in text and "\r" not in text and (text or "\\B" not in pattern)
+
+
+@pytest.mark.parametrize("construct", list(CONSTRUCTS))
+def test_each_construct_is_exact_on_both_engines(engines, construct):
+    pattern, strings = CONSTRUCTS[construct]
+    referee = re.compile(pattern)
+    for name, engine in engines.items():
+        as_schema = engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
+        as_regex = engine.compile(S.regex(pattern))
+        for text in strings:
+            found, whole = referee.search(text) is not None, referee.fullmatch(text) is not None
+            took = force(engine, as_schema, engine.tokenizer.encode(json.dumps(text, ensure_ascii=False)))
+            took_whole = bool(text) and force(engine, as_regex, engine.tokenizer.encode(text))
+            assert found or not took, (name, pattern, text, "pattern accepted what re.search refuses")
+            assert whole or not took_whole, (name, pattern, text, "regex accepted what re.fullmatch refuses")
+            if _agreed(text):
+                assert took == found, (name, pattern, text)
+                assert took_whole == whole or not text, (name, pattern, text)
+
+
+@pytest.mark.parametrize("pattern, refused", [
+    (r"^a\b", "aé"),       # ECMA's \w is ASCII (a boundary after a); Python's takes é (none): both must agree
+    (r"^a(?=$)", "a\n"),   # Python's $ matches before a final newline, ECMA's does not
+    (r"^\w+\b$", "é"),      # only Python's \w takes é
+])
+def test_where_the_dialects_differ_the_engines_take_what_both_match(engines, pattern, refused):
+    for name, engine in engines.items():
+        compiled = engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
+        assert not force(engine, compiled, engine.tokenizer.encode(json.dumps(refused, ensure_ascii=False))), name
+    wide = language(P.parse(pattern, wide=True), search=True)  # what a complement excludes: either reading
+    if re.search(pattern, refused):
+        assert wide is not None and re.fullmatch(_python(wide), refused)
+
+
+SETTINGS = settings(max_examples=examples(40), suppress_health_check=list(HealthCheck), deadline=None)
+
+
+@SETTINGS
+@example(case=(r"(?:(?!a)\w)+\b", ["b", "ba", "bé", "b a"]))
+@example(case=(r"\B$", ["", "a", " "]))  # Python's \B (3.11) never matches in an empty text, ECMA's does
+@given(case=lookaround_cases())
+def test_the_built_language_is_python_s_where_the_dialects_agree(case):
+    pattern, strings = case
+    parsed = P.parse(pattern)
+    if parsed.refused is not None:
+        return
+    try:
+        narrow, wide = language(parsed, search=True), language(P.parse(pattern, wide=True), search=True)
+    except S.ConstraintError:
+        return  # past a cap: refused by name
+    narrow_re, wide_re = (re.compile(_python(tree)) if tree is not None else None for tree in (narrow, wide))
+    referee = re.compile(pattern)
+    for text in strings:
+        found = referee.search(text) is not None
+        taken = narrow_re is not None and narrow_re.fullmatch(text) is not None
+        assert found or not taken, (pattern, text, "the engines' reading takes what Python refuses")
+        assert not found or wide_re is not None and wide_re.fullmatch(text), (pattern, text, "the wide reading lost it")
+        if _agreed(text, pattern):
+            assert taken == found, (pattern, text)
+
+
+@SETTINGS
+@given(case=lookaround_cases(count=6))
+def test_a_complement_of_a_lookaround_pattern_takes_nothing_python_matches(case):
+    pattern, strings = case
+    if P.parse(pattern).refused is not None:
+        return
+    try:
+        written = regular.complement_pattern(pattern)
+    except Over:
+        return
+    ours = re.compile(_python(language(P.parse(written), search=True))) if written is not False else None
+    for text in strings:
+        taken = ours is not None and ours.fullmatch(text) is not None
+        assert not (taken and re.search(pattern, text)), (pattern, written, text)
+        if _agreed(text, pattern):
+            assert taken == (re.search(pattern, text) is None), (pattern, written, text)
+
+
+def test_past_the_automaton_cap_a_pattern_is_refused_by_name(engines):
+    pattern = r"(?=.*a.{10}$)"  # the last 11 characters remembered: 2^11 states
+    with pytest.raises(S.ConstraintError, match="automaton states.*CAPS"):
+        language(P.parse(pattern), search=True)
+    for engine in engines.values():
+        with pytest.raises(S.ConstraintError, match="automaton states"):
+            engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
+
+
+@pytest.mark.parametrize("pattern, feature", [
+    (r"(?<=a+)b", "variable-width lookbehind"),
+    (r"(?<=^a)b", "lookaround inside a lookbehind"),
+    (r"(a)(?=\1)", "backreference"),
+])
+def test_what_is_not_built_is_refused_by_name_on_each_engine(engines, pattern, feature):
+    for engine in engines.values():
+        with pytest.raises(S.ConstraintError, match=feature):
+            engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
+        with pytest.raises(S.ConstraintError, match=feature):
+            engine.compile(S.regex(pattern))
