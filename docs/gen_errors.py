@@ -358,7 +358,8 @@ def examples(classes: dict[str, type]) -> dict[str, str]:
         password = {"type": "object", "properties": {"password": {"type": "string", "pattern": "^(.).{6,}\\1$"}}}
         runtime.add("a", S.json_schema(password))
         runtime.add("b", S.choice(["yes", "no"]))
-        runtime.wait(["a", "b"], timeout=60)
+        for request in ("a", "b"):  # wait() returns once one of those it waits for is done: each in turn
+            runtime.wait([request], timeout=60)
         out["GrammarFailedError"] = _recorded(c["GrammarFailedError"], runtime.error("a"))
         out["BatchLayoutError"] = _raised(c["BatchLayoutError"], lambda: runtime.step(["b", "c"]))
         out["DisallowedTokenError"] = _raised(c["DisallowedTokenError"], lambda: runtime.accept("b", g.tok.encode("x")))
