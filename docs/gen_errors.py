@@ -47,7 +47,7 @@ SECTIONS = {
                            "BatchLayoutError", "StructuredOutputsDisabledError", "TokenizerInfoError"),
     "Decoding, files, the command line and the model": ("PipelineTimeout", "MissingDependencyError", "LoadError",
                                                         "UsageError", "ModelNotInstalledError"),
-    "The vLLM plugin": ("ConfigError",),
+    "The vLLM plugin": ("ConfigError", "ToolParserError"),
     "Inside the library (never reach you)": ("Over", "Inexpressible", "FillTimeout"),
 }
 
@@ -217,6 +217,13 @@ ENTRIES = {
         "any request.",
         "Start the server with `python -m neuron_constrain.vllm.serve` (or `server_args()`), which passes the "
         "flags the plugin needs, and change the flag the message names. See [Serving with vLLM](guides/vllm.md)."),
+    "ToolParserError": Entry(
+        "A tool request that must be enforced (`tool_choice=\"required\"`, a named tool, or `auto` on a server "
+        "with `--tool-strict-level` above `auto`) reaches a vLLM server whose `--tool-call-parser` has no "
+        "tool-call family in the library: the request gets a 400 with this message instead of a call generated "
+        "unconstrained.",
+        "Start the server with a parser the message lists (the vLLM guide's table maps each to its family), or "
+        "send the request without strict tools."),
     "Over": Entry(
         "Raised deep inside a rewrite of the schema algebra when a size cap is passed, and caught where the "
         "rewrite knows the keyword and the JSON pointer: you get `CapReached` instead (where a rewrite can do "
@@ -241,6 +248,10 @@ QUOTED = {
     "FillTimeout": ("its grammar fill did not return within 120 s (a fill thread was abandoned)",
                     "neuron_constrain/structured/engines/xgrammar/fill_threads.py",
                     ('f"its grammar fill did not return within {self.timeout:g} s (a fill thread was abandoned)"',)),
+    "ToolParserError": ("neuron_constrain: --tool-call-parser 'xlam' has no tool-call family in neuron_constrain, so "
+                        "a strict tool call cannot be enforced; start the server with one of deepseek_v3, hermes, "
+                        "...", "neuron_constrain/vllm/policy.py",
+                        ("has no tool-call family in neuron_constrain", "so a strict tool call cannot be enforced")),
 }
 NO_EXAMPLE = ("Error", "RequestFailedError", "Over", "Inexpressible")
 
