@@ -181,7 +181,7 @@ def _chain(length: int) -> dict:
     ({"type": "array", "items": {"enum": list(range(8))}, "uniqueItems": True}, "enumerated", "uniqueItems", "#"),
     ({"not": {"enum": [f"s{i}" for i in range(300)]}}, "string_set", "not", "#"),
     (_chain(70), "specializations", "$ref", "#/$defs/r63"),
-    ({"type": "string", "not": {"pattern": "^(?:[a-z]{1,12}-){60}$"}}, "automaton_states", "not", "#"),
+    ({"type": "string", "not": {"pattern": "^(?:[a-z]{1,40}-){16}$"}}, "automaton_states", "not", "#"),
     ({"type": "object", "patternProperties": {c: {"type": "integer"} for c in "abcdefg"}}, "branches",
      "patternProperties", "#"),
 ], ids=["branches", "enumerated", "string_set", "specializations", "automaton_states",
