@@ -58,6 +58,13 @@ def _walk(tokenizer, constraint, seed: int, limit: int = 120) -> list[int] | Non
     return None
 
 
+def _finished_walks(tokenizer, constraint, seeds: int) -> list[list[int]]:
+    """The walks of seeds ``0..seeds-1`` that finished within the limit; at least one must."""
+    walks = [w for w in (_walk(tokenizer, constraint, seed) for seed in range(seeds)) if w is not None]
+    assert walks, f"none of {seeds} random walks finished"
+    return walks
+
+
 def _valid(calls, tools) -> None:
     parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for call in calls:
@@ -69,18 +76,12 @@ def test_mistral_walks_parse_into_valid_calls(tekken, tekken_v11, version):
     tok = tekken if version == "v7" else tekken_v11
     tools = [WEATHER, PING]
     constraint = tool_constraint(tools, "required", format="mistral", tokenizer=tok)
-    finished = 0
-    for seed in range(3):
-        tokens = _walk(tok, constraint, seed)
-        if tokens is None:
-            continue
-        finished += 1
+    for tokens in _finished_walks(tok, constraint, 3):
         assert tokens[0] == tok.control_token("[TOOL_CALLS]")
         body = tokens[:-1]
         content, calls = parse_tool_calls("", tools, "required", format="mistral", tokens=body, tokenizer=tok)
         assert content == "" and calls
         _valid(calls, tools)
-    assert finished >= 1
 
 
 def test_mistral_v11_spelling_is_matched_as_tokens(tekken_v11):
@@ -113,16 +114,10 @@ def test_mistral_v11_spelling_is_matched_as_tokens(tekken_v11):
 def test_text_families_walk_on_tekken_into_valid_calls(tekken, format):
     tools = [SHORT, PING]
     constraint = tool_constraint(tools, "required", format=format, tokenizer=tekken, max_tool_calls=2)
-    finished = 0
-    for seed in range(2):
-        tokens = _walk(tekken, constraint, seed)
-        if tokens is None:
-            continue
-        finished += 1
+    for tokens in _finished_walks(tekken, constraint, 2):
         content, calls = parse_tool_calls(tekken.decode(tokens[:-1]), tools, "required", format=format)
         assert content == "" and 1 <= len(calls) <= 2
         _valid(calls, tools)
-    assert finished >= 1
 
 
 def test_mistral_auto_dispatches_on_the_control_token(tekken):
