@@ -25,10 +25,7 @@ for ``--tool-call-parser`` gives a request with tools and ``tool_choice`` ``"req
 the library's grammar for the parser's family (``policy.family``, ``policy.library_constraint``):
 calls only, in the family's own format, ``parallel_tool_calls=false`` one call in the grammar, and
 the tool parser reads required / named answers as auto ones (its format, not vLLM's JSON array). A
-strict request on a parser with no family is a 400 naming it, never a call generated unconstrained;
-where the family is served but the library builds no grammar for the request (``auto``, tools with
-``response_format``, before the library builds them) it keeps vLLM's structural tag for the parser,
-compiled with the library's keyword policy (``policy.structural_tag``); with neither, a 400.
+strict request on a parser with no family is a 400 naming it, never a call generated unconstrained.
 """
 from __future__ import annotations
 
@@ -112,22 +109,16 @@ def served_parser(parser_cls, parser_name: str):
         if constraint is not None:
             request.structured_outputs = StructuredOutputsParams(**policy.structured_outputs(constraint))
             request.response_format = None
-        elif strict and not _vllm_enforces(request):
+        elif strict:  # every family a parser maps to builds required / named / auto: never reached by them
             raise tool_refusal(policy.ToolParserError(
-                f"neuron_constrain: --tool-call-parser {parser_name!r}: neither neuron_constrain nor vLLM builds a "
-                f"grammar for tool_choice={policy.plain(request.tool_choice)!r} with these options here, so the call "
-                "cannot be enforced; send tool_choice=\"required\" or a named tool"))
+                f"neuron_constrain: --tool-call-parser {parser_name!r}: neuron_constrain builds no grammar for "
+                f"tool_choice={policy.plain(request.tool_choice)!r} with these options, so the call cannot be "
+                "enforced; send tool_choice=\"required\" or a named tool"))
         return request
 
     return type(parser_cls.__name__, (parser_cls,), {
         "tool_parser_cls": reader, "adjust_request": adjust_request, "neuron_constrain_parser": parser_name,
         "__module__": __name__})
-
-
-def _vllm_enforces(request) -> bool:
-    """Whether vLLM's own structural tag enforces the request's calls (after its ``adjust_request``)."""
-    so = getattr(request, "structured_outputs", None)
-    return so is not None and so.structural_tag is not None
 
 
 def install_tool_calls() -> None:

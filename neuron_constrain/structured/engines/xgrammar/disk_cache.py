@@ -67,16 +67,27 @@ class DiskCache:
         return cls(default_directory() if value.lower() in ("on", "1", "true", "yes") else value)
 
     @staticmethod
-    def key(constraint_key: tuple, tokenizer_json: str) -> str:
+    def tokenizer_digest(tokenizer_json: str) -> str:
+        """A tokenizer's part of every key: a SHA-256 of xgrammar's ``TokenizerInfo.serialize_json()`` (megabytes
+        for a large vocabulary: taken once per engine, not once per compile).
+
+        Args:
+            tokenizer_json: the serialized ``TokenizerInfo``.
+
+        Returns:
+            64 hex digits."""
+        return hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
+
+    @staticmethod
+    def key(constraint_key: tuple, tokenizer: str) -> str:
         """The file name of an entry: a SHA-256 of the constraint's key, the tokenizer and the versions.
 
         Args:
             constraint_key: ``Constraint.key()`` of the constraint xgrammar compiles.
-            tokenizer_json: xgrammar's ``TokenizerInfo.serialize_json()``.
+            tokenizer: the tokenizer's :meth:`tokenizer_digest`.
 
         Returns:
             64 hex digits."""
-        tokenizer = hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
         text = json.dumps([FORMAT, CODE, XGRAMMAR, tokenizer, repr(constraint_key)])
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -235,7 +235,7 @@ class XGrammarEngine(GrammarEngine):
                                       memory_mb=self.limits.compile_memory_mb) if compile_processes else None
         self.fillers = RowFillers(fill_threads, fill_timeout) if fill_threads > 1 else None
         self.disk_cache = DiskCache.from_environment()  # compiled grammars on disk (disk_cache.py); None: off
-        self._tokenizer_json: str | None = None
+        self._tokenizer_digest: str | None = None  # the disk cache's key part for this vocabulary, taken once
         self.compiles = 0  # grammars compiled (not loaded from the disk cache)
         self._later, self._later_lock = None, threading.Lock()  # compile_later's threads, started on first use
         # One thread: one call for all rows, so the GIL is released once, not once per row, while a
@@ -269,10 +269,10 @@ class XGrammarEngine(GrammarEngine):
         there when the compile took ``disk_cache.min_seconds`` or more)."""
         key = None
         if self.disk_cache is not None:
-            if self._tokenizer_json is None:
-                self._tokenizer_json = xgrammar_info(self.info).serialize_json()
-            key = self.disk_cache.key(job.key, self._tokenizer_json)
             info = xgrammar_info(self.info)
+            if self._tokenizer_digest is None:
+                self._tokenizer_digest = self.disk_cache.tokenizer_digest(info.serialize_json())
+            key = self.disk_cache.key(job.key, self._tokenizer_digest)
             grammar = self.disk_cache.load(key, lambda payload: xgr.CompiledGrammar.deserialize_json(payload, info))
             if grammar is not None:
                 return grammar
