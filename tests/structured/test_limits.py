@@ -4,6 +4,7 @@ value satisfies is refused with why, and a compile or a fill past its limit fail
 request alone."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -256,6 +257,23 @@ def test_a_compile_past_its_memory_limit_fails_alone(sp1):
     with pytest.raises(L.LimitError, match="compile_memory_mb=200"):
         engine.compile(wide)
     assert engine.compile(S.regex("[a-z]{2,4}")).engine == "xgrammar"
+
+
+def test_a_worker_stopped_from_outside_is_not_blamed_on_a_limit(sp1):
+    """SIGTERM to a compiling worker (a server stopping) is said as such, never as its memory limit."""
+    engine = make_engine("xgrammar", sp1, limits=L.Limits(enum_values=10 ** 6, spec_bytes=10 ** 7, compile_seconds=60),
+                         compile_processes=1)
+    huge = S.json_schema(json.loads(hostile_constraints()["huge_enum"][1]))  # ~26 s on a 32,000-token vocabulary
+    engine.workers.wait_ready()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compiling = pool.submit(engine.compile, huge)
+        time.sleep(1.0)  # the job sent: the one worker compiles it
+        for pid in engine.workers.pids():
+            os.kill(pid, signal.SIGTERM)
+        with pytest.raises(S.ConstraintError) as raised:
+            compiling.result(timeout=60)
+    assert "stopped by signal 15" in str(raised.value) and "compile_memory_mb" not in str(raised.value)
+    assert engine.compile(S.regex("[a-z]{2,4}")).engine == "xgrammar"  # a fresh worker takes the next one
 
 
 def test_a_compile_past_its_deadline_fails_alone_in_generate(sp1):

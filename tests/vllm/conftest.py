@@ -34,7 +34,7 @@ def free_port() -> int:
 class Server:
     """One vLLM OpenAI server on 127.0.0.1 (the plugin unless ``plugin=False``), on the tiny model
     unless ``model="smollm2"`` (or ``"tiny-think"``: the tiny reasoning checkpoint, ``<think>`` /
-    ``</think>`` added); ``extra``: more vLLM flags (the launcher's thread binding applies).
+    ``</think>`` added; ``"tiny-llama3"`` / ``"tiny-mistral"``: a tool-call family's, ``tiny_checkpoint.build(family=)``); ``extra``: more vLLM flags (the launcher's thread binding applies).
     ``wait=False``: return once started; ``wait()`` then (several servers start side by side)."""
 
     def __init__(self, name: str, *, plugin: bool = True, env: dict | None = None, tmp: pathlib.Path,
@@ -46,6 +46,11 @@ class Server:
         if model in ("tiny", "tiny-think"):
             folder = "tiny-think" if model == "tiny-think" else "tiny-llama"
             spec = dict(model=build(ROOT / "build" / folder, reasoning=model == "tiny-think"), name="tiny")
+        elif model in ("tiny-llama3", "tiny-mistral"):  # a tool-call family's tiny checkpoint
+            family = model.split("-", 1)[1]
+            spec = dict(model=build(ROOT / "build" / model, family=family), name="tiny")
+            if family == "mistral":
+                extra = ["--tokenizer-mode", "mistral", *(extra or [])]
         else:
             spec = resolve(model)
         self.model = spec["model"]

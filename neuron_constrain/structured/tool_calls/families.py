@@ -58,6 +58,9 @@ class ToolFamily:
         trigger: what starts the calls under ``tool_choice="auto"``.
         content_open: what starts an answer that is text, not calls (harmony's final channel): ``auto``
             is then that and free text, or the calls.
+        leading: the calls are the whole answer when there are any (the model writes no text before them, and
+            the servers' parsers read calls only at the start: vLLM's ``pythonic`` and ``llama3_json``):
+            ``auto`` is free text, or the calls.
         loose: a pattern the parser also reads under ``auto`` (group 1: a JSON call object), for models
             that drift from their template; never what the grammar writes.
         controls: the names matched as control tokens where the tokenizer has them.
@@ -78,6 +81,7 @@ class ToolFamily:
     call_id: bool = False
     trigger: str = ""
     content_open: str = ""
+    leading: bool = False
     loose: str = ""
     controls: tuple[str, ...] = ()
     required_controls: tuple[str, ...] = ()
@@ -114,10 +118,10 @@ FAMILIES = {
                    separator="\n", trigger="<tool_call>", controls=("<tool_call>", "</tool_call>")),
         ToolFamily("llama3_json", "Llama 3.1, 3.2, 3.3", "json",
                    '{{"name": {name}, "parameters": ', "}", separator="; ", section_open="<|python_tag|>",
-                   optional_open=True, trigger='{"name": ', controls=("<|python_tag|>",)),
+                   optional_open=True, trigger='{"name": ', leading=True, controls=("<|python_tag|>",)),
         ToolFamily("pythonic", "Llama 4, Llama 3.2 (1B/3B), ToolACE", "python",
                    "{name}(", ")", name_style="raw", separator=", ", section_open="[", section_close="]",
-                   trigger="["),
+                   trigger="[", leading=True),
         ToolFamily("mistral", "Mistral tokenizers v3-v7 (Mistral 7B v0.3, Nemo, Small 3)", "json",
                    '{{"name": {name}, "arguments": ', "}", separator=", ", section_open="[TOOL_CALLS][",
                    section_close="]", optional_space=True, call_id=True, trigger="[TOOL_CALLS]",

@@ -7,7 +7,8 @@ tag, turned into EBNF text that both engines read).
 
 ``required``: one call or more (``parallel_tool_calls=False``: one; ``max_tool_calls=N``: at most N), then
 the end. A named choice: one call of that tool. ``auto``: free text until the family's trigger, then calls
-exactly to the end (free text never holds a text trigger; a control token is never text). With
+exactly to the end (free text never holds a text trigger; a control token is never text); where the family's
+calls lead the answer (``pythonic``, ``llama3_json``), free text or calls. With
 ``response_format`` the answer is calls or a JSON value valid against that schema. JSON is written with at
 most ``whitespace`` whitespace characters in each gap.
 """
@@ -121,8 +122,10 @@ class _Builder:
         """Text that never holds the trigger's text. Where the trigger opens with a control token, the
         exclusion still holds: a vocabulary may also carry that token's text as text (an added token that is
         not special), and free text spelling the trigger would be read as a call by the parser, or keep the
-        grammar in free text after the token itself."""
-        return {"type": "any_text", "excludes": [self.family.trigger]}
+        grammar in free text after the token itself. Nor does free text hold any of the family's control
+        tokens: one that may open calls (llama3_json's optional ``<|python_tag|>``) would be read as calls
+        by a server's parser, and a detokenizer that skips special tokens would hide it from the text."""
+        return {"type": "any_text", "excludes": list(dict.fromkeys([self.family.trigger, *self.family.controls]))}
 
 
 def _forms_section(builders: list[_Builder], names: list[str], low: int, high: int | None) -> dict:
@@ -131,12 +134,15 @@ def _forms_section(builders: list[_Builder], names: list[str], low: int, high: i
 
 def _auto(builders: list[_Builder], names: list[str], high: int | None) -> dict:
     """Free text until the trigger, then calls to the end; a family whose text answers open with their own
-    tag (``content_open``) writes that tag and text, or the calls."""
+    tag (``content_open``) writes that tag and text, or the calls; a family whose calls lead (``leading``),
+    free text or the calls."""
     family, calls = builders[0].family, _forms_section(builders, names, 1, high)
     free = builders[0].free_text()
     if family.content_open:
         opening = _pieces(family.content_open, family, builders[0].tokenizer)
         return {"type": "or", "elements": [_seq(opening + [free]), calls]}
+    if family.leading:
+        return {"type": "or", "elements": [free, calls]}
     return {"type": "sequence", "elements": [free, {"type": "optional", "content": calls}]}
 
 

@@ -250,11 +250,14 @@ class XGrammarWorkers:
             self._give_back(worker)
         return status, payload
 
-    def _died(self, worker: _Worker, seconds: float) -> LimitError:
+    def _died(self, worker: _Worker, seconds: float) -> ConstraintError:
         worker.process.join(timeout=5)
         code = worker.process.exitcode
         if code == -signal.SIGXCPU:
             return LimitError("compile_seconds", f"its worker used its CPU limit ({seconds:g} s)", seconds)
+        if code in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP):  # stopped from outside, not by a limit
+            return ConstraintError(f"the compile worker was stopped by signal {-code} before it answered (the "
+                                   f"process is shutting down, or another process stopped it); send it again")
         return LimitError("compile_memory_mb", f"the compile worker died (exit {code}), most likely past its "
                           f"{self.memory_mb} MiB", self.memory_mb)
 
