@@ -268,3 +268,24 @@ def test_bounded_numbers_and_strings_in_xml_and_python_arguments():
             assert ebnf_accepts(constraint.spec, text) == ok, (family, text)
     assert ebnf_accepts(python.spec, '[f(n=3, s="\\n\\t\\"")]')  # an escape is one character
     assert not ebnf_accepts(xml.spec, write_calls(FAMILIES["qwen3_coder"], [ToolCall("f", {"n": 3, "s": "a\nb"})]))
+
+
+# What the four formats of the release before the families wrote (json.dumps spellings, its own whitespace):
+# today's grammars still take it and today's parsers still read it to the same calls.
+BEFORE = {
+    "json": ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]', "required"),
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>', "required"),
+    "llama3": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', "required"),
+}
+
+
+@pytest.mark.parametrize("format", list(BEFORE))
+def test_the_answers_of_the_formats_before_the_families_are_still_taken_and_read(format):
+    text, choice = BEFORE[format]
+    assert validate_output(tool_constraint([WEATHER], choice, format=format), text) is None
+    assert parse_tool_calls(text, [WEATHER], choice, format=format) == (
+        "", [ToolCall("get_weather", {"city": "Paris", "days": 3})])
+    # mistral's is a token stream (its [TOOL_CALLS] is a control token): test_tool_calls_tokens.py; as text it reads
+    mistral = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'
+    assert parse_tool_calls(mistral, [WEATHER], "auto", format="mistral")[1] == [
+        ToolCall("get_weather", {"city": "Paris", "days": 3})]

@@ -6,6 +6,7 @@ from hypothesis import assume, given, settings, strategies as st
 from neuron_constrain.structured import ToolCallStream, parse_tool_calls, tool_constraint
 from neuron_constrain.structured.engines.xgrammar.grammars import ebnf_accepts
 from neuron_constrain.structured.tool_calls.families import FAMILIES, ToolCall, write_calls
+from neuron_constrain.structured.tool_calls.parse import read_section
 from neuron_constrain.structured.tool_calls.stream import assembled
 
 from test_tool_calls import FORMS, TEXT_FORMS, tools_and_calls
@@ -50,3 +51,28 @@ def test_content_that_may_begin_a_trigger_is_held_back():
     assert assembled(plain.feed("a <tool") + plain.feed("box> b") + plain.finish()) == ("a <toolbox> b", [])
     with pytest.raises(ValueError, match="json"):
         ToolCallStream(tools, "auto", format="json")
+
+
+@pytest.mark.parametrize("form", ["hermes", "qwen3_coder", "deepseek_v3.0", "pythonic"])
+def test_a_long_answer_fed_a_character_at_a_time_is_read_in_linear_work(form, monkeypatch):
+    """The section is read again from the last whole call's boundary, never from its start (python calls: once,
+    when their list closes): the text the reader goes through stays within a few calls' length per feed."""
+    from neuron_constrain.structured.tool_calls import stream as S
+
+    seen = []
+
+    def counting(family, text, at, *args, **kwargs):
+        seen.append(len(text) - at)
+        return read_section(family, text, at, *args, **kwargs)
+    monkeypatch.setattr(S, "read_section", counting)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}}}]
+    calls = [ToolCall("f", {"x": "a" * 40})] * 60
+    call = len(write_calls(FAMILIES[form], calls[:1]))
+    text = "Some prose first. " * 10 + write_calls(FAMILIES[form], calls)
+    stream, deltas = ToolCallStream(tools, "auto", format=FORMS.get(form, form)), []
+    for char in text:
+        deltas += stream.feed(char)
+    deltas += stream.finish()
+    assert assembled(deltas) == (("Some prose first. " * 10).strip(), calls)
+    assert sum(seen) <= 4 * call * len(text), (sum(seen), call, len(text))  # re-reading from the start: ~len(text)**2 / 2

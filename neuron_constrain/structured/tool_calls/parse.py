@@ -42,26 +42,55 @@ def _opening(family: F.ToolFamily, text: str, at: int) -> int:
     return _expect(text, at, opening)
 
 
+class BracketScan:
+    """Where a bracketed Python expression that opens at ``at`` closes (brackets inside strings skipped),
+    read as the text grows: ``scan(text)`` goes on from where the last call stopped."""
+
+    def __init__(self, at: int):
+        self.at, self.end, self.depth, self.quote = at, at, 0, ""
+
+    def scan(self, text: str) -> int | None:
+        """The index just after the closing bracket, or ``None`` while the text ends before it.
+
+        Args:
+            text: the answer so far (each call's text extends the last one's).
+
+        Returns:
+            The end, or ``None``.
+        """
+        end = self.end
+        while end < len(text):
+            char = text[end]
+            if self.quote:  # inside a string: to its closing quote, escapes skipped
+                if char == "\\":
+                    if end + 1 == len(text):
+                        break
+                    end += 1
+                elif char == self.quote:
+                    self.quote = ""
+            elif char in "\"'":
+                self.quote = char
+            elif char in "[({":
+                self.depth += 1
+            elif char in "])}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = end
+                    return end + 1
+            end += 1
+        self.end = end
+        return None
+
+
 def _python_section(family: F.ToolFamily, text: str, at: int, functions: dict) -> tuple[list[ToolCall], int]:
     """``[f(a=1), ...]`` from ``at``: to its matching bracket (outside strings), read by ``ast``."""
-    depth, end = 0, at
-    while end < len(text):
-        char = text[end]
-        if char in "\"'":  # a string: to its closing quote, escapes skipped
-            end += 1
-            while end < len(text) and text[end] != char:
-                end += 2 if text[end] == "\\" else 1
-        elif char in "[({":
-            depth += 1
-        elif char in "])}":
-            depth -= 1
-            if depth == 0:
-                calls = [ToolCall(name, arguments) for name, arguments in python_arguments(text[at:end + 1])]
-                for call in calls:
-                    _known(call.name, functions)
-                return calls, end + 1
-        end += 1
-    raise ValueError("the list of calls is not closed")
+    end = BracketScan(at).scan(text)
+    if end is None:
+        raise ValueError("the list of calls is not closed")
+    calls = [ToolCall(name, arguments) for name, arguments in python_arguments(text[at:end])]
+    for call in calls:
+        _known(call.name, functions)
+    return calls, end
 
 
 def _known(name: str, functions: dict) -> None:
@@ -114,8 +143,8 @@ def _read_opening(family: F.ToolFamily, parts: list[str], text: str, at: int) ->
     return name, at
 
 
-def read_section(family: F.ToolFamily, text: str, at: int, functions: dict,
-                 progress: list | None = None) -> tuple[list[ToolCall], int]:
+def read_section(family: F.ToolFamily, text: str, at: int, functions: dict, progress: list | None = None,
+                 boundaries: list | None = None, *, continued: bool = False) -> tuple[list[ToolCall], int]:
     """The calls written from ``at`` on, and where they end.
 
     Args:
@@ -125,6 +154,9 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict,
         functions: ``{name: parameters}``.
         progress: a list the reader appends to as it goes (the streaming parser reads it when the text
             ends early): each call's name once its opening is read, then the call once it is whole.
+        boundaries: a list the reader appends to where another call's opening follows a whole call (after
+            the separator): the streaming parser resumes there with ``continued=True`` (python calls: none).
+        continued: ``at`` is a call's opening inside the section (a boundary), not the section's start.
 
     Returns:
         ``(calls, end)``.
@@ -132,7 +164,7 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict,
     Raises:
         ValueError: the text there is not the family's calls to these tools.
     """
-    at = _opening(family, text, at)
+    at = at if continued else _opening(family, text, at)
     if family.arguments == "python":
         calls, end = _python_section(family, text, at - len(family.section_open), functions)
         if progress is not None:
@@ -159,6 +191,8 @@ def read_section(family: F.ToolFamily, text: str, at: int, functions: dict,
         if not text.startswith(family.separator + parts[0], at):
             break
         at += len(family.separator)
+        if boundaries is not None:
+            boundaries.append(at)
     return calls, _expect(text, at, family.section_close)
 
 

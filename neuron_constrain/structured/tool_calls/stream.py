@@ -12,7 +12,9 @@ the ``openai`` client's accumulation of the deltas is the whole parser's calls. 
 out to be the trigger is held back until it is told apart. For text the family's grammar accepts, the calls
 streamed are the calls ``parse_tool_calls`` reads from the whole text (a property test checks it); on text no
 grammar constrained, a call already announced stays announced even if what follows breaks the section.
-Control tokens are read as their names (``parse.spelled_text`` writes generated tokens so).
+Control tokens are read as their names (``parse.spelled_text`` writes generated tokens so). The work is
+linear in the answer's length: each feed looks for the trigger in the new text only and reads the section
+again from the last whole call's boundary (python calls once, when their list closes).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Sequence
 
 from neuron_constrain.structured.tool_calls import families as F
 from neuron_constrain.structured.tool_calls.families import ToolCall
-from neuron_constrain.structured.tool_calls.parse import parse_family, read_section
+from neuron_constrain.structured.tool_calls.parse import BracketScan, parse_family, read_section
 
 
 class ToolCallStream:
@@ -47,6 +49,12 @@ class ToolCallStream:
         self.none = tool_choice == "none"
         self.text, self.content_sent, self.sent, self.names_sent, self.calls_sent = "", 0, 0, 0, 0
         self.section: tuple[F.ToolFamily, int] | None = None  # the form and where its calls begin
+        # linear in the answer's length: the trigger is looked for in new text only, and the section is read
+        # again from the last whole call's boundary (its form then settled), not from its start
+        self.scanned = 0  # the trigger search's start
+        self.read: list = []  # the reader's progress up to `resume`
+        self.resume: int | None = None
+        self.brackets: BracketScan | None = None  # python calls: read once their list closes
 
     def feed(self, delta: str) -> list[dict]:
         """The deltas ``delta`` completes.
@@ -99,12 +107,15 @@ class ToolCallStream:
         if self.forced:
             self.section = (self.forms[0], len(self.text) - len(self.text.lstrip()))
             return
-        starts = []
-        for family in self.forms:
-            for mark in [family.trigger] + ([family.section_open] if family.optional_open else []):
-                at = self.text.find(mark, self._content_start())
-                if at >= 0:
-                    starts.append((at, family))
+        starts, marks = [], [(family, mark) for family in self.forms
+                             for mark in [family.trigger] + ([family.section_open] if family.optional_open else [])]
+        longest = max(len(mark) for _, mark in marks)
+        since = max(self._content_start(), self.scanned - longest + 1)
+        for family, mark in marks:
+            at = self.text.find(mark, since)
+            if at >= 0:
+                starts.append((at, family))
+        self.scanned = len(self.text)
         if starts:
             at, family = min(starts, key=lambda pair: pair[0])
             self.section = (family, at)
@@ -124,17 +135,27 @@ class ToolCallStream:
         return out
 
     def _progress(self) -> list:
-        """What the reader got through (names and whole calls), trying each form where there are several."""
-        best: list = []
-        for family in self.forms if len(self.forms) > 1 else (self.section[0],):
-            progress: list = []
+        """What the reader got through (names and whole calls), trying each form where there are several
+        until one has read a whole call and another follows."""
+        if self.section[0].arguments == "python":  # calls come whole when the list closes: read it then
+            self.brackets = self.brackets or BracketScan(self.section[1])
+            if self.brackets.scan(self.text) is None:
+                return []
+        best, boundaries = [], []
+        settled = self.resume is not None or len(self.forms) == 1
+        for family in (self.section[0],) if settled else self.forms:
+            progress, found = [], []
             try:
-                read_section(family, self.text, self.section[1], self.functions, progress)
+                read_section(family, self.text, self.section[1] if self.resume is None else self.resume,
+                             self.functions, progress, found, continued=self.resume is not None)
             except (ValueError, json.JSONDecodeError):
                 pass
             if len(progress) > len(best):
-                best, self.section = progress, (family, self.section[1])
-        return best
+                best, boundaries, self.section = progress, found, (family, self.section[1])
+        if boundaries:  # each whole call before the last boundary was read as [its name, the call]
+            whole = 2 * len(boundaries)
+            self.read, best, self.resume = self.read + best[:whole], best[whole:], boundaries[-1]
+        return self.read + best
 
     def _announce(self, item) -> list[dict]:
         """The deltas of one step of the reader: a call's name, or a whole call (its name too where the
