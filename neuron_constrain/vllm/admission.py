@@ -15,6 +15,10 @@ xgrammar worker processes killed past ``compile_seconds`` and ``compile_memory_m
 loop only awaits. By the time ``validate_params`` runs (``validate.check_structured``), the
 verdict is cached: it looks it up. A refusal is a ``VLLMValidationError``: vLLM answers that
 request alone with a 400 naming the limit and the ``--limit`` flag that raises it.
+
+The verdicts compile on the served model's own vocabulary (``serve_model``: built beside the engine
+core's start, a byte vocabulary until then), and each grammar they compile goes to the disk cache: the
+engine core loads it instead of compiling the same constraint again (``policy.serve_on``).
 """
 from __future__ import annotations
 
@@ -56,11 +60,11 @@ def verdict(structured_outputs, limits) -> None:
         raise refusal(kind, error) from None
 
 
-def _constraint(kind: str, spec: str, limits):
+def _constraint(kind: str, spec: str, limits, whitespace: str = "none"):
     from neuron_constrain.structured.schema import limits as limits_
 
     limits_.check_text(kind, spec, limits)  # before the text is parsed: its size and nesting
-    return policy.from_vllm(kind, spec)
+    return policy.from_vllm(kind, spec, whitespace=whitespace)
 
 
 class Admission:
@@ -69,6 +73,7 @@ class Admission:
     def __init__(self):
         self.limits = policy.server_limits()
         self.lanes = Lanes(LANE_THREADS, name="neuron-constrain-admission")
+        self.whitespace = "none"  # the served model's (serve_model), as the engine core compiles
 
     def warm(self) -> None:
         """Build the verdict engine now and judge one small schema in the background: the compile
@@ -76,9 +81,32 @@ class Admission:
         policy.verdict_engine(self.limits)
         threading.Thread(target=self._warm_verdict, daemon=True, name="neuron-constrain-admission-warm").start()
 
+    def serve_model(self, vllm_config) -> None:
+        """In the background: the verdicts move to the served model's vocabulary (the engine core's tokenizer
+        and vocabulary size, its whitespace), so each grammar the admission compiles is the one the engine core
+        loads from the disk cache (``policy.serve_on``); built while the engine core starts, and warmed."""
+        def build():
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            from neuron_constrain.vllm.grammar_backend import served_engine, whitespace
+
+            model = vllm_config.model_config
+            if model.skip_tokenizer_init:
+                return
+            try:
+                engine = served_engine(cached_tokenizer_from_config(model_config=model), model.get_vocab_size(),
+                                       self.limits, policy.VERDICT_PROCESSES)
+                self.whitespace = whitespace(vllm_config)
+                policy.serve_on(engine)
+            except Exception as error:  # noqa: BLE001 - the byte vocabulary keeps judging; the core compiles again
+                log.warning("neuron_constrain: the admission stays on a byte vocabulary: %s", error)
+                return
+            self._warm_verdict()
+        threading.Thread(target=build, daemon=True, name="neuron-constrain-admission-model").start()
+
     def _warm_verdict(self) -> None:
         try:
-            policy.admit(_constraint("json", policy.WARM_SCHEMA, self.limits), self.limits)
+            policy.admit(_constraint("json", policy.WARM_SCHEMA, self.limits, self.whitespace), self.limits)
         except Exception as error:  # noqa: BLE001 - a warm-up only: the first request reports its own failure
             log.warning("neuron_constrain: warming the admission failed: %s", error)
 
@@ -98,7 +126,7 @@ class Admission:
         kind = "json"
         try:
             kind, spec = policy.request_constraint(so, self.limits)
-            constraint = _constraint(kind, spec, self.limits)
+            constraint = _constraint(kind, spec, self.limits, self.whitespace)
             if policy.cached_verdict(constraint, self.limits) is not None:
                 return None
         except ConstraintError as error:
@@ -132,7 +160,8 @@ def admitted_json(so, limits) -> bool:
         return False
     try:
         kind, spec = policy.request_constraint(so, limits)
-        return kind == "json" and policy.cached_verdict(_constraint(kind, spec, limits), limits) is not None
+        constraint = _constraint(kind, spec, limits, admission().whitespace)
+        return kind == "json" and policy.cached_verdict(constraint, limits) is not None
     except ConstraintError:
         return False  # refused: the verdict's own 400 comes first (add_request); vLLM's check is not needed
 
@@ -178,5 +207,13 @@ def install() -> None:
 
         add_request.neuron_constrain_admission = True
         AsyncLLM.add_request = add_request
+        original_init = AsyncLLM.__init__
+
+        @functools.wraps(original_init)
+        def __init__(self, vllm_config, *args, **kwargs):
+            admission().serve_model(vllm_config)  # built beside the engine core's start
+            original_init(self, vllm_config, *args, **kwargs)
+
+        AsyncLLM.__init__ = __init__
     if multiprocessing.parent_process() is None:  # the API server (vLLM's engine core and workers are its children)
         admission().warm()

@@ -131,6 +131,24 @@ def library_tokenizer(tokenizer, info: xgr.TokenizerInfo, vocab_size: int):
     )
 
 
+def whitespace(vllm_config) -> str:
+    """The JSON whitespace the server's constraints are compiled with (``policy.from_vllm``)."""
+    return "none" if vllm_config.structured_outputs_config.disable_any_whitespace else "any"
+
+
+def served_engine(tokenizer, vocab_size: int, limits, compile_processes: int):
+    """The library's ``auto`` engine over vLLM's token table (``vocab_size``: the model's, padded): the engine
+    core's backend compiles on it and the API server's admission judges on one built alike, so a grammar the
+    admission compiled is the engine core's disk-cache hit (one compile per constraint per server). Bounded
+    strings on xgrammar (escape-free, sound), as stock vLLM compiles them: greedy tokens stay stock's."""
+    from neuron_constrain.structured.engines import AutoEngine
+
+    info = vllm_tokenizer_info(tokenizer, vocab_size)
+    vocab_size = max(vocab_size, info.vocab_size)
+    return AutoEngine(library_tokenizer(tokenizer, info, vocab_size), limits=limits,
+                      compile_processes=compile_processes, narrow_bounded_strings=True, race=False)
+
+
 class LibraryGrammar(StructuredOutputGrammar, _Budget):
     """A library matcher (llguidance's, wrapped by ``LLGuidanceMatcher``) behind vLLM's grammar
     interface, with the semantics of vLLM's ``XgrammarGrammar``; its fills timed like
@@ -202,19 +220,14 @@ class LibraryBackend(StructuredOutputBackend):
     """Every request's grammar compiled by the library's ``auto`` engine (xgrammar | llguidance)."""
 
     def __post_init__(self):
-        from neuron_constrain.structured.engines import AutoEngine
-
         config = self.vllm_config
-        self.whitespace = "none" if config.structured_outputs_config.disable_any_whitespace else "any"
-        info = vllm_tokenizer_info(self.tokenizer, self.vocab_size)
-        self.vocab_size = max(self.vocab_size, info.vocab_size)
-        self.library_tokenizer = library_tokenizer(self.tokenizer, info, self.vocab_size)
+        self.whitespace = whitespace(config)
+        self.limits = policy.server_limits()
+        self.engine = served_engine(self.tokenizer, self.vocab_size, self.limits, COMPILE_PROCESSES)
+        self.library_tokenizer = self.engine.tokenizer
+        self.vocab_size = self.library_tokenizer.vocab_size
         self.pieces = self.library_tokenizer.pieces  # the text each token adds, as the grammars read it
         self.stop_ids = frozenset(self.library_tokenizer.stop_token_ids)
-        self.limits = policy.server_limits()
-        # bounded strings on xgrammar (escape-free, sound), as stock vLLM compiles them: greedy tokens stay stock's
-        self.engine = AutoEngine(self.library_tokenizer, limits=self.limits, compile_processes=COMPILE_PROCESSES,
-                                 narrow_bounded_strings=True, race=False)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._lock = threading.Lock()
@@ -223,6 +236,12 @@ class LibraryBackend(StructuredOutputBackend):
                        "budget_ended": 0}
         self.stop_row = _stop_row(self.stop_ids, self.vocab_size)
         self._warm()
+
+    def snapshot(self) -> dict:
+        """The counters, with xgrammar's grammars compiled here (``compiled``) and loaded from the disk cache
+        (``loaded``: most of them the admission's, compiled in the API server for this vocabulary)."""
+        cache = self.engine.xgrammar.disk_cache
+        return {**self.counts, "compiled": self.engine.xgrammar.compiles, "loaded": cache.hits if cache else 0}
 
     def _warm(self) -> None:
         """One small schema compiled as the engine starts (``policy.WARM_SCHEMA``), before the server reports

@@ -177,10 +177,29 @@ class _Bytes:
 _LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=4)
+_SERVED: dict = {}  # "engine": the verdicts' engine on the served model's vocabulary, once the API server built it
+
+
+def serve_on(engine) -> None:
+    """Judge constraints on ``engine`` from now on: the served model's vocabulary, built as the engine
+    core's backend builds its own (``grammar_backend.served_engine``). Its xgrammar grammars go to the disk
+    cache whatever their compile time, so the engine core loads each of them instead of compiling it again
+    (the cache keys agree: the same constraint, vocabulary and code)."""
+    if engine.xgrammar.disk_cache is not None:
+        engine.xgrammar.disk_cache.min_seconds = 0.0
+    _SERVED["engine"] = engine
+
+
 def verdict_engine(limits: Limits):
-    """The engine the verdicts compile on: ``auto`` on a byte vocabulary, xgrammar in worker processes
-    (bounded strings on xgrammar, as the engine core's ``grammar_backend.LibraryBackend``)."""
+    """The engine the verdicts compile on: the served model's (:func:`serve_on`) once there is one with these
+    limits, else ``auto`` on a byte vocabulary; xgrammar in worker processes either way (bounded strings on
+    xgrammar, as the engine core's ``grammar_backend.LibraryBackend``)."""
+    served = _SERVED.get("engine")
+    return served if served is not None and served.limits == limits else _byte_engine(limits)
+
+
+@functools.lru_cache(maxsize=4)
+def _byte_engine(limits: Limits):
     from neuron_constrain.structured.engines import AutoEngine
 
     return AutoEngine(_Bytes().tokenizer, limits=limits, compile_processes=VERDICT_PROCESSES,
@@ -210,8 +229,9 @@ def admit(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str:
     if hit is not None:
         return hit
     key = (constraint.key, limits)
-    try:
-        result = verdict_engine(limits).compile(verdict_form(constraint)).engine
+    engine = verdict_engine(limits)
+    try:  # the byte vocabulary has no control token to name: token references written as literals there
+        result = engine.compile(constraint if engine is _SERVED.get("engine") else verdict_form(constraint)).engine
     except ConstraintError as error:
         result = error
     with _LOCK:

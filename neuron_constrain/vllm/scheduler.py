@@ -92,7 +92,7 @@ class NeuronConstrainScheduler(Scheduler):
     def snapshot(self) -> dict:
         backend = self.library_backend
         with self._counters_lock:
-            return {**self.output_counters, **({} if backend is None else backend.counts),
+            return {**self.output_counters, **({} if backend is None else backend.snapshot()),
                     "violations": list(self.violations[-20:])}
 
     def _update_request_with_output(self, request, new_token_ids, is_stale: bool = False):

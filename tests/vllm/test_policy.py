@@ -101,7 +101,7 @@ def test_last_line_of_defence_ends_an_invalid_answer_as_an_error():
     pieces = {1: b'{"city":"', 2: b"\x1b", 3: b'","population":0}', 4: b"Paris", 0: b""}
     scheduler = object.__new__(NeuronConstrainScheduler)
     scheduler.library_backend = types.SimpleNamespace(
-        text=lambda ids: b"".join(pieces[i] for i in ids).decode(), counts={"xgrammar": 1})
+        text=lambda ids: b"".join(pieces[i] for i in ids).decode(), snapshot=lambda: {"xgrammar": 1})
     scheduler.output_counters = {"validated_outputs": 0, "invalid_outputs": 0, "unchecked_outputs": 0}
     scheduler.violations, scheduler._counters_lock, scheduler._counters_file = [], threading.Lock(), None
     scheduler.structured_output_manager = types.SimpleNamespace(reasoner_cls=None, enable_in_reasoning=False)

@@ -65,6 +65,29 @@ def test_the_plugin_admission_is_the_verdict_on_what_the_library_enforces(server
     jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+@pytest.mark.parametrize("kind", ["json", "regex", "tools"])
+def test_one_compile_per_constraint_per_server(server, kind):
+    """The admission compiles a new constraint for the model's vocabulary in the API server; the engine core
+    loads that grammar from the disk cache instead of compiling it again (its counters: ``compiled`` xgrammar
+    compiles, ``loaded`` disk-cache hits). A tools request's grammar (control tokens by id) too."""
+    import uuid
+
+    fresh = uuid.uuid4().hex[:8]  # a constraint no other test sent
+    request = {
+        "json": dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {f"k{fresh}": {"type": "integer"}}, "required": [f"k{fresh}"],
+            "additionalProperties": False}}}),
+        "regex": dict(extra_body={"structured_outputs": {"regex": f"{fresh}[a-z]{{1,8}}"}}),
+        "tools": dict(tools=[dict(TOOLS[0], function=dict(TOOLS[0]["function"], name=f"f{fresh}"))],
+                      tool_choice="required"),
+    }[kind]
+    before = server.engine_metrics()
+    chat(server.client(), max_tokens=8, **request)
+    after = server.engine_metrics()
+    assert after["xgrammar"] == before["xgrammar"] + 1, (before, after)
+    assert after["compiled"] == before["compiled"] and after["loaded"] == before["loaded"] + 1, (before, after)
+
+
 @pytest.mark.parametrize("kind, spec", [("regex", REGEX), ("choice", CHOICES), ("grammar", GRAMMAR)])
 def test_structured_outputs_extra_body(server, kind, spec):
     choice = chat(server.client(), extra_body={"structured_outputs": {kind: spec}})
