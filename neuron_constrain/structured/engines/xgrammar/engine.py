@@ -276,14 +276,15 @@ class XGrammarEngine(GrammarEngine):
             grammar = self.disk_cache.load(key, lambda payload: xgr.CompiledGrammar.deserialize_json(payload, info))
             if grammar is not None:
                 return grammar
-        start = time.perf_counter()
-        if self.workers is not None:
-            grammar = self.workers.compile(job, self.limits.compile_seconds)
+        start, text = time.perf_counter(), None
+        if self.workers is not None:  # the worker's JSON is what the disk cache stores: not written again here
+            text = self.workers.compile_text(job, self.limits.compile_seconds)
+            grammar = xgr.CompiledGrammar.deserialize_json(text, xgrammar_info(self.info))
         else:
             grammar = compile_grammar(self.compiler, job)
         self.compiles += 1
         if key is not None and time.perf_counter() - start >= self.disk_cache.min_seconds:
-            self.disk_cache.store(key, grammar.serialize_json())
+            self.disk_cache.store(key, text if text is not None else grammar.serialize_json())
         return grammar
 
     def compile_later(self, constraint, *, policy: str | None = None) -> concurrent.futures.Future:

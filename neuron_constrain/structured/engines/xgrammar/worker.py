@@ -213,6 +213,10 @@ class XGrammarWorkers:
         """``constraint`` (already through the engine's keyword policy) compiled in a worker."""
         import xgrammar as xgr
 
+        return xgr.CompiledGrammar.deserialize_json(self.compile_text(constraint, seconds), self.info)
+
+    def compile_text(self, constraint: Constraint, seconds: float) -> str:
+        """:meth:`compile`'s grammar as the worker sent it (xgrammar's JSON: what the disk cache stores)."""
         job = dataclasses.replace(constraint, validate=None)  # a tool's validator is the caller's, not xgrammar's
         with self._turn:
             self._turn.wait_for(lambda: self._busy < self.processes)
@@ -224,7 +228,7 @@ class XGrammarWorkers:
                 self._busy -= 1
                 self._turn.notify()
         if status == "ok":
-            return xgr.CompiledGrammar.deserialize_json(payload, self.info)
+            return payload
         if status == "memory":
             raise LimitError("compile_memory_mb", f"xgrammar ran out of its {self.memory_mb} MiB ({payload})",
                              self.memory_mb)
