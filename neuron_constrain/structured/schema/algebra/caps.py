@@ -3,7 +3,12 @@
     with site("dependentSchemas", "#/properties/a"):   # the rewrite being made, for the message
         over("branches", len(cases))                   # CapReached past CAPS["branches"]
 
-Every rewrite whose output grows with its input is bounded here; none is ever truncated.
+    work = Work()                                      # one automaton's construction, its steps counted
+    work.spend(len(subset))                            # Over("automaton_work") past CAPS["automaton_work"]
+
+Every rewrite whose output grows with its input is bounded here; none is ever truncated. The
+automata count their work (``Work``) rather than time it: the same pattern is refused alike on an
+idle machine and a busy one.
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ _BUILT = ("pattern", "patternProperties")  # keywords whose pattern is built as 
 
 
 class CapReached(ConstraintError):
-    """A rewrite of the schema algebra would pass one of :data:`CAPS`."""
+    """A rewrite of the schema algebra would pass one of :data:`CAPS` (or a schema pattern built by automata
+    for an engine would): ``cap``, ``count`` (what it would need), ``keyword``, ``path`` (its JSON pointer),
+    ``pattern`` (the pattern, or the patterns, being built; None for other caps)."""
 
     def __init__(self, cap: str, count: int, keyword: str, path: str, maximum: int | None = None, pattern=None):
         maximum = CAPS[cap] if maximum is None else maximum
@@ -41,7 +48,7 @@ class CapReached(ConstraintError):
             f"to rewrite `{keyword}` at {path} into keywords an engine enforces"
         super().__init__(
             f"the schema algebra would need {need}{of} (cap {maximum}, `algebra.CAPS[{cap!r}]`) {doing}; simplify "
-            "the schema there (fewer branches, values or positions, or a simpler pattern)")
+            f"the schema there ({'a simpler pattern' if pattern else 'fewer branches, values or positions'})")
         self.cap, self.count, self.keyword, self.path, self.pattern = cap, count, keyword, path, pattern
 
 
