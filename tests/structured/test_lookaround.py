@@ -22,7 +22,7 @@ from neuron_constrain.structured.schema.algebra.automata import written_size
 from neuron_constrain.structured.schema.algebra.caps import CAPS, CapReached, Over, Work
 from neuron_constrain.structured.schema.algebra.lookaround import language
 from neuron_constrain.testing import toy_tokenizer
-from neuron_constrain.testing.lookaround_patterns import lookaround_cases
+from neuron_constrain.testing.lookaround_patterns import LOOKAROUND_PATTERNS, lookaround_cases
 from neuron_constrain.testing.vocabulary import force
 from tests.conftest import examples
 from tests.structured.test_patterns import _python
@@ -186,6 +186,36 @@ def test_the_work_cap_bounds_a_complement_and_names_where(monkeypatch):
     assert (error.cap, error.keyword, error.path, error.pattern) == ("automaton_work", "not", "#/properties/id",
                                                                     "^[a-f]{1,40}x$")
     assert "more than 2000 steps of automaton work" in str(error)
+
+
+def _steps(tree, budget: int) -> int:
+    """The steps building ``tree``'s language takes (as ``language`` counts them), within ``budget``."""
+    work = Work(budget)
+    built = lookaround.dfa([tree], work).minimal().expression()
+    if built is not None:
+        work.spend(written_size(built))
+    return work.steps
+
+
+@settings(max_examples=examples(15), suppress_health_check=list(HealthCheck), deadline=None)
+@given(pattern=LOOKAROUND_PATTERNS)
+def test_the_work_counted_is_the_patterns_own(pattern):
+    """The count is a property of the pattern, not of the machine or of the run: built twice it takes the
+    same steps, a budget of exactly that many builds it, and one step fewer is refused by name."""
+    try:
+        tree = P.full_match(P.parse(pattern), search=True)
+    except S.ConstraintError:
+        return
+    if tree is None or not lookaround.has_assertion(tree):
+        return
+    try:
+        steps = _steps(tree, CAPS["automaton_work"])
+    except Over:
+        return  # past a cap: the refusals above
+    assert _steps(tree, steps) == steps
+    with pytest.raises(Over) as refused:
+        _steps(tree, steps - 1)
+    assert refused.value.cap == "automaton_work" and refused.value.maximum == steps - 1
 
 
 @pytest.mark.parametrize("pattern", [r"\b\d{13}\b", r"^(?!.*\bnative\b)[a-zA-Z][a-zA-Z0-9_]*(\.[a-zA-Z][a-zA-Z0-9_]*)+$"])
