@@ -27,6 +27,7 @@ language first, so that its refusal names the JSON pointer; the engines then reu
 from __future__ import annotations
 
 import collections
+import threading
 
 from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.schema import patterns
@@ -52,6 +53,7 @@ def has_assertion(tree) -> bool:
 
 _BUILT: "collections.OrderedDict[tuple, tuple | None]" = collections.OrderedDict()  # (pattern, search) -> tree
 _BUILT_KEPT = 256
+_BUILT_LOCK = threading.Lock()  # admission threads build patterns side by side
 
 
 def language(pattern: patterns.Pattern, *, search: bool):
@@ -70,9 +72,9 @@ def language(pattern: patterns.Pattern, *, search: bool):
             the pattern; ``.cap`` names it (``automaton_work``, ``automaton_states``, ``nfa_states``).
     """
     key = (pattern, search)
-    if key in _BUILT:
-        _BUILT.move_to_end(key)
-        return _BUILT[key]
+    with _BUILT_LOCK:
+        if key in _BUILT:
+            return _BUILT[key]
     tree = patterns.full_match(pattern, search=search)
     if tree is None or not has_assertion(tree):
         return tree
@@ -89,9 +91,10 @@ def language(pattern: patterns.Pattern, *, search: bool):
             "lookarounds, word boundaries or anchors exactly; simplify the pattern")
         refusal.cap, refusal.count, refusal.maximum = passed.cap, passed.count, passed.maximum
         raise refusal from None
-    _BUILT[key] = built
-    while len(_BUILT) > _BUILT_KEPT:
-        _BUILT.popitem(last=False)
+    with _BUILT_LOCK:
+        _BUILT[key] = built
+        while len(_BUILT) > _BUILT_KEPT:
+            _BUILT.popitem(last=False)  # the oldest built
     return built
 
 
