@@ -127,9 +127,11 @@ ENTRIES = {
     "CapReached": Entry(
         "A rewrite of the schema algebra (which turns `not`, `if`, `oneOf`, `dependentSchemas`, `uniqueItems` "
         "over a finite domain ... into keywords an engine enforces) would pass one of its size caps "
-        "(`algebra.CAPS`: branches, enumerated values, automaton states, ...). It names the cap, the keyword "
-        "and the JSON pointer; the schema is never truncated.",
-        "Simplify the schema at that pointer (fewer branches, values or positions)."),
+        "(`algebra.CAPS`: branches, enumerated values, automaton states, steps of automaton work, ...), or a "
+        "schema `pattern` with lookarounds, built by automata for an engine, would. It names the cap, its value, "
+        "the keyword and the JSON pointer (and the pattern, where one was being built); the schema is never "
+        "truncated.",
+        "Simplify the schema at that pointer (fewer branches, values or positions, or a simpler pattern)."),
     "RequestFailedError": Entry(
         "Never raised itself: the base of the four errors that fail one request alone "
         "(`GrammarFailedError`, `DisallowedTokenError`, `GrammarFillError`, `NoAllowedTokenError`). It carries "

@@ -102,6 +102,27 @@ def test_an_exact_grammar_is_the_referees_language(name, data):
     assert matches(name, edited) == CHECKER.conforms(edited, name), edited
 
 
+def _corner_cases() -> dict[str, list[str]]:
+    years = ["0000", "0001", "0004", "0100", "0400", "1900", "1996", "2000", "2023", "2024", "2100", "2400", "9999",
+             "999", "19999"]
+    months = [f"{m:02d}" for m in range(14)] + ["1", "001"]
+    days = [f"{d:02d}" for d in range(33)] + ["1"]
+    dates = [f"{y}-{m}-{d}" for y in years for m in months for d in days] + ["\uff12\uff10\uff12\uff14-01-01", "2024-01-01\n"]
+    octets = ["0", "00", "01", "1", "9", "10", "99", "100", "199", "200", "249", "250", "255", "256", "999", "-1", "\u0663"]
+    addresses = [text for a in octets for b in octets for text in (f"{a}.{b}.1.2", f"1.2.{a}.{b}", f"{a}.{b}.{a}")]
+    return {"date": dates, "ipv4": addresses + ["1.2.3.4\n"]}
+
+
+@pytest.mark.parametrize("name", ["date", "ipv4"])
+def test_an_exact_grammar_takes_the_referees_corners(name):
+    """Every calendar corner (leap centuries, year 0, month 13, day 31, full-width digits, a final newline)
+    and every octet corner (leading zeros, 256, Arabic-Indic digits), enumerated: the grammar takes
+    exactly what jsonschema's format check takes (what the drawn edits above may miss)."""
+    assert formats.FORMATS[name].exact
+    wrong = [text for text in _corner_cases()[name] if matches(name, text) != CHECKER.conforms(text, name)]
+    assert wrong == []
+
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_engine_enforces_the_grammar(toy_engines, name):
     """Teacher-forced: each example accepted exactly where the grammar takes it; random walks through the

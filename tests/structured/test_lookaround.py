@@ -16,11 +16,13 @@ from hypothesis import HealthCheck, example, given, settings
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.schema import patterns as P
-from neuron_constrain.structured.schema.algebra import regular
-from neuron_constrain.structured.schema.algebra.caps import Over
+from neuron_constrain.structured.schema import algebra
+from neuron_constrain.structured.schema.algebra import lookaround, regular
+from neuron_constrain.structured.schema.algebra.automata import written_size
+from neuron_constrain.structured.schema.algebra.caps import CAPS, CapReached, Over, Work
 from neuron_constrain.structured.schema.algebra.lookaround import language
 from neuron_constrain.testing import toy_tokenizer
-from neuron_constrain.testing.lookaround_patterns import lookaround_cases
+from neuron_constrain.testing.lookaround_patterns import LOOKAROUND_PATTERNS, lookaround_cases
 from neuron_constrain.testing.vocabulary import force
 from tests.conftest import examples
 from tests.structured.test_patterns import _python
@@ -141,6 +143,90 @@ def test_past_the_automaton_cap_a_pattern_is_refused_by_name(engines):
     for engine in engines.values():
         with pytest.raises(S.ConstraintError, match="automaton states"):
             engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
+
+
+# a real URL pattern (SchemaStore's dein.json): `{1,256}` then `\b`, each DFA state a large subset; and a drawn
+# one whose automaton is small but whose tree, written out for an engine, is millions of characters
+_COSTLY = {
+    "url": r"^https?:\/\/(www\.)?[-a-zA-Z0-9@:%._\+~#=]{1,256}\.[a-zA-Z0-9()]{1,6}\b([-a-zA-Z0-9()@:%_\+.~#?&//=]*)$",
+    "written large": r"(?<!ab)\B(?:(?<!\d.)a?)+",
+}
+
+
+@pytest.mark.parametrize("pattern", _COSTLY.values(), ids=_COSTLY)
+def test_past_the_work_cap_a_pattern_is_refused_by_name_and_pointer(engines, pattern):
+    """The steps of the construction are counted as they are taken (caps.Work): past
+    ``CAPS["automaton_work"]`` the pattern is refused by that name, with the cap's value and the pattern,
+    and a schema's pattern with its JSON pointer, before any engine reads the schema."""
+    with pytest.raises(S.ConstraintError) as refused:
+        language(P.parse(pattern), search=True)
+    assert refused.value.cap == "automaton_work" and refused.value.count > CAPS["automaton_work"]
+    assert f"more than {CAPS['automaton_work']} steps" in str(refused.value) and repr(pattern) in str(refused.value)
+    schema = {"type": "object", "properties": {"url": {"type": "string", "pattern": pattern}}}
+    for engine in engines.values():
+        with pytest.raises(CapReached) as refused:
+            engine.compile(S.json_schema(schema))
+        error = refused.value
+        assert (error.cap, error.keyword, error.path, error.pattern) == ("automaton_work", "pattern",
+                                                                        "#/properties/url", pattern)
+        assert "`algebra.CAPS['automaton_work']`" in str(error) and "`pattern` at #/properties/url" in str(error)
+
+
+def test_the_work_cap_bounds_a_complement_and_names_where(monkeypatch):
+    """The algebra's rewrites count the same steps: a `not` over a pattern past the cap (lowered here
+    to show it) is refused naming the cap, the pattern, the keyword and the pointer."""
+    monkeypatch.setitem(CAPS, "automaton_work", 2_000)
+    regular.complement_pattern.cache_clear()
+    try:
+        with pytest.raises(CapReached) as refused:
+            algebra.lower({"properties": {"id": {"type": "string", "not": {"pattern": "^[a-f]{1,40}x$"}}}})
+    finally:
+        regular.complement_pattern.cache_clear()
+    error = refused.value
+    assert (error.cap, error.keyword, error.path, error.pattern) == ("automaton_work", "not", "#/properties/id",
+                                                                    "^[a-f]{1,40}x$")
+    assert "more than 2000 steps of automaton work" in str(error)
+
+
+def _steps(tree, budget: int) -> int:
+    """The steps building ``tree``'s language takes (as ``language`` counts them), within ``budget``."""
+    work = Work(budget)
+    built = lookaround.dfa([tree], work).minimal().expression()
+    if built is not None:
+        work.spend(written_size(built))
+    return work.steps
+
+
+@settings(max_examples=examples(15), suppress_health_check=list(HealthCheck), deadline=None)
+@given(pattern=LOOKAROUND_PATTERNS)
+def test_the_work_counted_is_the_patterns_own(pattern):
+    """The count is a property of the pattern, not of the machine or of the run: built twice it takes the
+    same steps, a budget of exactly that many builds it, and one step fewer is refused by name."""
+    try:
+        tree = P.full_match(P.parse(pattern), search=True)
+    except S.ConstraintError:
+        return
+    if tree is None or not lookaround.has_assertion(tree):
+        return
+    try:
+        steps = _steps(tree, CAPS["automaton_work"])
+    except Over:
+        return  # past a cap: the refusals above
+    assert _steps(tree, steps) == steps
+    with pytest.raises(Over) as refused:
+        _steps(tree, steps - 1)
+    assert refused.value.cap == "automaton_work" and refused.value.maximum == steps - 1
+
+
+@pytest.mark.parametrize("pattern", [r"\b\d{13}\b", r"^(?!.*\bnative\b)[a-zA-Z][a-zA-Z0-9_]*(\.[a-zA-Z][a-zA-Z0-9_]*)+$"])
+def test_the_costliest_real_patterns_stay_within_the_work_cap(pattern):
+    """The two real patterns (JSON Schema Store) whose automata cost the most still build, with room to
+    spare: the cap refuses what real schemas do not write."""
+    work = Work(CAPS["automaton_work"] // 2)
+    tree = P.full_match(P.parse(pattern), search=True)
+    built = lookaround.dfa([tree], work).minimal().expression()
+    work.spend(written_size(built))
+    assert re.fullmatch(_python(built), "x 1234567890123 y" if "d" in pattern else "com.example.app")
 
 
 @pytest.mark.parametrize("pattern, feature", [

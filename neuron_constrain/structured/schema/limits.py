@@ -18,7 +18,11 @@ runtime compiles xgrammar grammars in a worker process it can kill,
 it would cost written out (:func:`pattern_cost`: its size with each ``{n,m}`` expanded, and the
 nesting and bounds of repetitions of varying parts, where xgrammar's fill grows with the text),
 computed from the parsed pattern without expanding it. A refusal is a
-:class:`LimitError` naming the limit, the value found and where, one request's alone.
+:class:`LimitError` naming the limit, the value found and where, one request's alone. A schema
+pattern with lookarounds, ``\\b`` or anchors inside is built here too (``algebra.lookaround.language``,
+bounded by the algebra's caps, ``automaton_work`` among them: the steps of its automaton counted as
+they are taken), so that a pattern past a cap is refused with its JSON pointer (``algebra.CapReached``)
+before any engine reads the schema; the engines reuse what was built.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import json
 import math
 
 from neuron_constrain.structured.schema import patterns, rewrite as rewrite
+from neuron_constrain.structured.schema.algebra import caps, lookaround
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 # Python's own JSON reader and writer, copy.deepcopy and jsonschema recurse once or twice per level:
@@ -261,14 +266,31 @@ def _pattern(pattern: str, where: str, limits: Limits) -> None:
     if bound > limits.repeat:
         raise LimitError("repeat", bound, limits.repeat, where, "a regex repetition bound (nested bounds multiplied)")
     try:
-        tree = patterns.parse(pattern).tree
+        parsed = patterns.parse(pattern)
     except ConstraintError:
         return  # a syntax error: the policy names it, with its offset
-    cost = pattern_cost(tree)
+    cost = pattern_cost(parsed.tree)
     for limit, value in (("pattern_size", cost.size), ("repeat_nesting", cost.nesting),
                          ("varying_repeat", cost.varying_bound)):
         if value > getattr(limits, limit):
             raise LimitError(limit, value, getattr(limits, limit), where)
+    if where:
+        _built(parsed, where)
+
+
+def _built(pattern: patterns.Pattern, where: str) -> None:
+    """A schema pattern's language built (lookarounds, ``\\b``, inner anchors: by automata, kept for the
+    engines), or :class:`caps.CapReached` naming the cap, the pattern and ``where`` (its JSON pointer)."""
+    if any(f.refused and f.name != patterns.CONTROLS_WITHOUT_ESCAPES for f in pattern.features):
+        return  # a feature no engine enforces: the policy names it
+    try:
+        lookaround.language(pattern, search=True)
+    except ConstraintError as refused:
+        if getattr(refused, "cap", None) is None:
+            raise
+        path, _, keyword = where.rpartition("/")
+        raise caps.CapReached(refused.cap, refused.count, keyword, path or "#", refused.maximum,
+                              pattern.source) from None
 
 
 def _ref_chain(root: dict, path: str, node: dict, limits: Limits) -> None:

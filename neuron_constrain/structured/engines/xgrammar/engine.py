@@ -153,24 +153,10 @@ def _allof_single(node, root):
 # Measured by random walks through each format's masks (testing/schemas.py ``walks``), not assumed: xgrammar's
 # own grammars for `date` (February 30th), `ipv4` (leading zeros), `email` (any `\X` escape in a quoted local
 # part: not JSON) and `json-pointer` / `relative-json-pointer` (raw quotes and control characters: not JSON)
-# write values the referee refuses, so they are off the list.
+# write values the referee refuses, so they are off the list (``schema/formats.py`` writes every format with a
+# grammar there as its pattern before an engine reads the schema: this list is what is left to xgrammar).
 _FORMATS = frozenset({"date-time", "time", "duration", "hostname", "ipv6", "uri", "uri-reference", "uri-template",
                       "uuid"})
-# Three of those as patterns instead (``keywords.prepare``), where the node has no pattern of its own.
-# `date`: the referee's calendar (``date.fromisoformat``: years 0001-9999, February 29th in leap years
-# only); `ipv4`: ``ipaddress.IPv4Address`` (no leading zeros); both exact. `email`: the referee asks
-# only for an "@"; a dot-atom local part at a host name is written (narrower: no quoted local part,
-# no address literal), and the node is listed as narrowed.
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
-_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-FORMAT_PATTERNS = (
-    ("date", "^(?:(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-             "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
-             "|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)$", True),
-    ("ipv4", f"^(?:{_OCTET}\\.){{3}}{_OCTET}$", True),
-    ("email", f"^{_ATOM}(?:\\.{_ATOM})*@{_LABEL}(?:\\.{_LABEL})*$", False),
-)
 
 
 def _entries():
@@ -212,7 +198,7 @@ def _entries():
 
 
 ENFORCES = K.register(K.Allowlist(
-    "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "narrow"), format_patterns=FORMAT_PATTERNS,
+    "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "narrow"),
     regex=frozenset({patterns.CONTROLS_WITHOUT_ESCAPES}),  # the library writes the JSON escapes (pattern_text.to_ebnf)
     evidence="tests/structured/test_soundness.py (the differential test) and tests/structured/test_keywords.py's probes, xgrammar 0.2.8",
     pattern_form="EBNF written by the library (`pattern_text.to_ebnf`), over the JSON-escaped text",

@@ -135,7 +135,7 @@ def _rewrite(node, judge, path: str):
         try:
             node = step(node, path, judge)
         except Over as passed:
-            raise CapReached(passed.cap, passed.count, keyword, path) from None
+            raise CapReached(passed.cap, passed.count, keyword, path, passed.maximum, passed.pattern) from None
         if not isinstance(node, dict):
             return node
     return node

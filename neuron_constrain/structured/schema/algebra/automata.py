@@ -8,14 +8,16 @@ Thompson's NFA (``Nfa``), the subset construction over the intervals its labels 
 into (surrogates are never text), Moore's refinement and state elimination, with the tree
 combinators (``seq``, ``alt``, ``star``) that keep what is written short. ``regular.py`` writes the
 trees as pattern text; ``lookaround.py`` builds the DFA of a tree with zero-width assertions. Every
-step is bounded (``caps.CAPS``: ``nfa_states``, ``automaton_states``): past a cap, :class:`caps.Over`.
+step is bounded (``caps.CAPS``: ``nfa_states``, ``automaton_states``, and ``automaton_work``: the steps
+counted by one ``caps.Work`` that a DFA carries from its construction through ``minimal`` and
+``expression``): past a cap, :class:`caps.Over`, before the work is done rather than after.
 """
 from __future__ import annotations
 
 import bisect
 import collections
 
-from neuron_constrain.structured.schema.algebra.caps import over
+from neuron_constrain.structured.schema.algebra.caps import Work, over
 from neuron_constrain.structured.schema.code_points import MAX_CODE, normalize
 
 EMPTY = ("seq", ())
@@ -94,55 +96,76 @@ class Nfa:
 # --------------------------------------------------------------------------- DFA
 class Dfa:
     """A complete DFA over ``atoms`` (disjoint code-point intervals covering every character):
-    ``moves[state][atom]`` the next state, ``accepting`` a set of states, state 0 the start."""
+    ``moves[state][atom]`` the next state, ``accepting`` a set of states, state 0 the start; ``work`` the
+    steps counted since its construction began (``caps.Work``), carried to what is made from it."""
 
-    def __init__(self, atoms: list, moves: list[list[int]], accepting: set):
+    def __init__(self, atoms: list, moves: list[list[int]], accepting: set, work: Work | None = None):
         self.atoms, self.moves, self.accepting = atoms, moves, accepting
+        self.work = Work() if work is None else work
 
     @classmethod
-    def of(cls, trees: list) -> "Dfa":
+    def of(cls, trees: list, work: Work | None = None) -> "Dfa":
         """The DFA of the strings every tree matches in full (no tree: no string)."""
+        work = Work() if work is None else work
         nfas = []
         for tree in trees:
             nfa = Nfa()
             nfas.append((nfa, *nfa.build(tree)))
+            work.spend(len(nfa.eps))
         intervals = atoms(ranges for nfa, _, _ in nfas for moves in nfa.moves for ranges, _ in moves)
         lows = [low for low, _ in intervals]
-        labelled = [[[(atom_span(lows, ranges), target) for ranges, target in moves] for moves in nfa.moves]
-                    for nfa, _, _ in nfas]
+        spans = [[(atom_span(lows, ranges), target) for ranges, target in moves] for nfa, _, _ in nfas
+                 for moves in nfa.moves]
+        # atoms in the same labels move alike: each class is followed once, from its first atom
+        member: dict = collections.defaultdict(list)
+        for label, (span, _) in enumerate(label for labels in spans for label in labels):
+            for atom in span:
+                member[atom].append(label)
+        classes: dict = {}
+        atom_class = [classes.setdefault(tuple(member.get(atom, ())), atom) for atom in range(len(intervals))]
+        firsts = sorted(classes.values())
+        work.spend(len(intervals) + sum(map(len, member.values())))
+        labelled, at = [], 0
+        for nfa, _, _ in nfas:
+            labelled.append([[([a for a in span if atom_class[a] == a], target) for span, target in labels]
+                             for labels in spans[at:at + len(nfa.moves)]])
+            at += len(nfa.moves)
+        weights = [[1 + sum(len(span) for span, _ in labels) for labels in part] for part in labelled]
         starts = tuple(nfa.closure([start]) for nfa, start, _ in nfas)
         index, moves, accepting, queue = {starts: 0}, [], set(), collections.deque([starts])
         closed: dict = {}  # the NFA states one atom moves to -> their closure
         while queue:
             key = queue.popleft()
             state = index[key]
+            work.spend(len(firsts) + sum(weight[source] for part, weight in zip(key, weights) for source in part))
             moves.append([])
             if nfas and all(end in part for part, (_, _, end) in zip(key, nfas)):
                 accepting.add(state)
             per_part = []
-            for part, (nfa, _, _), labels in zip(key, nfas, labelled):
+            for part, labels in zip(key, labelled):
                 targets = collections.defaultdict(set)
                 for source in part:
                     for span, target in labels[source]:
                         for atom in span:
                             targets[atom].add(target)
                 per_part.append(targets)
-            row = []
-            for atom in range(len(intervals)):
+            by_class = {}
+            for atom in firsts:
                 if not nfas or any(atom not in targets for targets in per_part):
-                    row.append(-1)
+                    by_class[atom] = -1
                     continue
                 moved = tuple(frozenset(targets[atom]) for targets in per_part)
                 if moved not in closed:
                     closed[moved] = tuple(nfa.closure(part) for (nfa, _, _), part in zip(nfas, moved))
+                    work.spend(sum(map(len, closed[moved])))
                 next_key = closed[moved]
                 if next_key not in index:
                     index[next_key] = len(index)
                     over("automaton_states", len(index))
                     queue.append(next_key)
-                row.append(index[next_key])
-            moves[state] = row
-        return cls(intervals, moves, accepting).completed()
+                by_class[atom] = index[next_key]
+            moves[state] = [by_class[first] for first in atom_class]
+        return cls(intervals, moves, accepting, work).completed()
 
     def completed(self) -> "Dfa":
         if all(target >= 0 for row in self.moves for target in row):
@@ -150,18 +173,24 @@ class Dfa:
         dead = len(self.moves)
         moves = [[dead if target < 0 else target for target in row] for row in self.moves]
         moves.append([dead] * len(self.atoms))
-        return Dfa(self.atoms, moves, self.accepting)
+        return Dfa(self.atoms, moves, self.accepting, self.work)
 
     def complement(self) -> "Dfa":
-        return Dfa(self.atoms, self.moves, set(range(len(self.moves))) - self.accepting)
+        return Dfa(self.atoms, self.moves, set(range(len(self.moves))) - self.accepting, self.work)
 
     def minimal(self) -> "Dfa":
         """Moore's refinement over the reachable states; the start stays state 0."""
         block = [1 if state in self.accepting else 0 for state in range(len(self.moves))]
-        while True:
+        # atoms every state moves on alike refine alike: each distinct column is read once (\w's hundreds
+        # of intervals are a few columns)
+        columns = list(dict.fromkeys(zip(*self.moves)))
+        rows = list(zip(*columns))
+        self.work.spend(len(self.atoms) + len(self.moves))
+        while True:  # a round builds one small tuple per state, in a comprehension: a step per 4 entries (measured)
+            self.work.spend(len(rows) * (len(columns) + 1) // 4)
             signatures: dict = {}
-            refined = [signatures.setdefault((block[s], tuple(block[t] for t in self.moves[s])), len(signatures))
-                       for s in range(len(self.moves))]
+            refined = [signatures.setdefault((block[s], tuple(block[t] for t in rows[s])), len(signatures))
+                       for s in range(len(rows))]
             if len(signatures) == len(set(block)):
                 break
             block = refined
@@ -172,13 +201,14 @@ class Dfa:
         for state in reachable:
             moves[order[block[state]]] = [order[block[t]] for t in self.moves[state]]
         accepting = {order[block[s]] for s in self.accepting if block[s] in order}
-        return Dfa(self.atoms, moves, accepting)
+        return Dfa(self.atoms, moves, accepting, self.work)
 
     def expression(self):
         """The language as a pattern tree (state elimination), or None when it is empty."""
         live = self._live()
         if 0 not in live:
             return None
+        self.work.spend(len(live) * len(self.atoms))
         start, final = -1, -2
         edges: dict = collections.defaultdict(dict)  # source -> target -> tree
         for state in live:
@@ -187,12 +217,15 @@ class Dfa:
                 if target in live:
                     by_target[target].append(self.atoms[atom])
             for target, ranges in by_target.items():
-                edges[state][target] = ("chars", normalize(ranges))
+                edges[state][target] = ("chars", _joined(ranges))
             if state in self.accepting:
                 edges[state][final] = EMPTY
         edges[start][0] = EMPTY
         remaining, depth = set(live), self._depths()
-        while (chain := _counter_chain(edges)) is not None:
+        while True:
+            self.work.spend(sum(map(len, edges.values())))  # one search for a chain reads every edge
+            if (chain := _counter_chain(edges)) is None:
+                break
             _count_chain(edges, chain, remaining, depth)
         into = collections.defaultdict(set)  # target -> its sources
         for source, targets in edges.items():
@@ -205,6 +238,7 @@ class Dfa:
             state = min(remaining, key=cost)
             remaining.discard(state)
             outgoing = edges.pop(state, {})
+            self.work.spend(1 + len(into[state]) * len(outgoing))  # the paths made through it
             loop = outgoing.pop(state, None)
             middle = EMPTY if loop is None else star(loop)
             for target in outgoing:
@@ -296,6 +330,17 @@ def atoms(labels) -> list[tuple[int, int]]:
     return [(low, nxt - 1) for low, nxt in zip(cuts, cuts[1:]) if not (low >= 0xD800 and nxt - 1 <= 0xDFFF)]
 
 
+def _joined(ranges: list) -> tuple:
+    """Atoms in order (sorted, disjoint, no surrogates) as ``normalize`` writes them: neighbours joined."""
+    out: list = []
+    for low, high in ranges:
+        if out and low == out[-1][1] + 1:
+            out[-1] = (out[-1][0], high)
+        else:
+            out.append((low, high))
+    return tuple(out)
+
+
 def atom_span(lows: list[int], ranges) -> list[int]:
     span = []
     for low, high in ranges:
@@ -304,6 +349,25 @@ def atom_span(lows: list[int], ranges) -> list[int]:
 
 
 # --------------------------------------------------------------------------- trees
+def written_size(tree) -> int:
+    """The items (set ranges, groups, counts) ``tree`` holds written out: a subtree state elimination
+    shares is written each time it is used; measured once per shared subtree, without writing it."""
+    sizes: dict[int, int] = {}
+    stack = [(tree, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = node[1] if node[0] in ("seq", "alt") else (node[1],) if node[0] == "repeat" else ()
+        if not expanded and children:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
+            continue
+        own = len(node[1]) if node[0] == "chars" else 1
+        sizes[id(node)] = own + sum(sizes[id(child)] for child in children)
+    return sizes[id(tree)]
+
+
 def _items(node) -> list:
     return list(node[1]) if node[0] == "seq" else [node]
 

@@ -18,17 +18,21 @@ and written back by state elimination (``automata.Dfa.expression``), so an engin
 
 ``\\b``'s ``\\w`` is ASCII in ECMA-262 and Unicode in Python's ``re``: the narrow reading is the
 boundary both readings see (both conditions at once), the wide one either (their union). Bounded by
-``caps.CAPS["nfa_states"]`` and ``["automaton_states"]``; past a cap :func:`language` refuses by name.
+``caps.CAPS["nfa_states"]``, ``["automaton_states"]`` and ``["automaton_work"]`` (the steps of the
+construction, counted as it goes: a pattern whose subsets grow large is refused early, not after
+seconds of work; the tree written back counts too, each item as written out: an engine reads it so);
+past a cap :func:`language` refuses by name (``schema/limits.py`` builds each schema pattern's
+language first, so that its refusal names the JSON pointer; the engines then reuse what was built).
 """
 from __future__ import annotations
 
 import collections
-import functools
+import threading
 
 from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.schema import patterns
-from neuron_constrain.structured.schema.algebra.automata import Dfa, Nfa, atom_span, atoms
-from neuron_constrain.structured.schema.algebra.caps import CAPS, Over, over
+from neuron_constrain.structured.schema.algebra.automata import Dfa, Nfa, atom_span, atoms, written_size
+from neuron_constrain.structured.schema.algebra.caps import Over, Work, over
 from neuron_constrain.structured.schema.code_points import ANY, shorthand
 
 _ASSERTIONS = ("start", "end", "look", "boundary")
@@ -47,35 +51,64 @@ def has_assertion(tree) -> bool:
     return kind in _ASSERTIONS or kind == "repeat" and has_assertion(tree[1])
 
 
-@functools.lru_cache(maxsize=256)
+_BUILT: "collections.OrderedDict[tuple, tuple | None]" = collections.OrderedDict()  # (pattern, search) -> tree
+_BUILT_KEPT = 256
+_BUILT_LOCK = threading.Lock()  # admission threads build patterns side by side
+
+
 def language(pattern: patterns.Pattern, *, search: bool):
     """``patterns.full_match(pattern, search=...)`` with every zero-width node built in: a plain tree
     (sets, sequences, alternations, repeats) of the same strings, or None when no string matches.
 
+    Args:
+        pattern: a parsed pattern (``patterns.parse``).
+        search: read it as a search (JSON Schema's ``pattern``) rather than a full match.
+
+    Returns:
+        The plain tree, or None when no string matches (the last 256 built are kept).
+
     Raises:
-        ConstraintError: the automaton would pass a cap (``CAPS``), named with the pattern.
+        ConstraintError: the automaton would pass a cap (``CAPS``), named with its value and
+            the pattern; ``.cap`` names it (``automaton_work``, ``automaton_states``, ``nfa_states``).
     """
+    key = (pattern, search)
+    with _BUILT_LOCK:
+        if key in _BUILT:
+            return _BUILT[key]
     tree = patterns.full_match(pattern, search=search)
     if tree is None or not has_assertion(tree):
         return tree
+    counted = Work()
     try:
-        return dfa([tree]).minimal().expression()
+        built = dfa([tree], counted).minimal().expression()
+        if built is not None:  # what an engine reads: a tree whose shared parts write out large costs it
+            counted.spend(written_size(built))
     except Over as passed:
-        raise ConstraintError(
-            f"the pattern {pattern.source!r} needs more than {CAPS[passed.cap]} {passed.cap.replace('_', ' ')} "
-            f"(`algebra.CAPS[{passed.cap!r}]`) to build its lookarounds, word boundaries or anchors exactly; "
-            "simplify the pattern") from None
+        needs = f"more than {passed.maximum} {passed.cap.replace('_', ' ')}" if passed.cap != "automaton_work" else \
+            f"more than {passed.maximum} steps of automaton work"
+        refusal = ConstraintError(
+            f"the pattern {pattern.source!r} needs {needs} (`algebra.CAPS[{passed.cap!r}]`) to build its "
+            "lookarounds, word boundaries or anchors exactly; simplify the pattern")
+        refusal.cap, refusal.count, refusal.maximum = passed.cap, passed.count, passed.maximum
+        raise refusal from None
+    with _BUILT_LOCK:
+        _BUILT[key] = built
+        while len(_BUILT) > _BUILT_KEPT:
+            _BUILT.popitem(last=False)  # the oldest built
+    return built
 
 
-def dfa(trees: list) -> Dfa:
+def dfa(trees: list, work: Work | None = None) -> Dfa:
     """The complete DFA of the strings every tree matches in full (``automata.Dfa.of`` where no tree holds
-    an assertion; else one tree, the others as lookaheads anchored at the end: ``(?=T$)`` is ``T``)."""
+    an assertion; else one tree, the others as lookaheads anchored at the end: ``(?=T$)`` is ``T``);
+    ``work`` counts its steps (a fresh ``caps.Work`` unless given)."""
+    work = Work() if work is None else work
     if not any(has_assertion(tree) for tree in trees):
-        return Dfa.of(trees)
+        return Dfa.of(trees, work)
     main = trees[0]
     for other in trees[1:]:
         main = ("seq", (("look", True, False, ("seq", (other, _AT_END))), main))
-    return _Alternating(main).dfa()
+    return _Alternating(main, work).dfa()
 
 
 def _boundary(word: tuple, negated: bool) -> tuple:
@@ -141,9 +174,11 @@ def _settle(negated: bool, configs: frozenset):
 class _Alternating:
     """The subset construction over configurations ``(NFA state or _DONE, obligations)`` (the module docstring)."""
 
-    def __init__(self, tree):
+    def __init__(self, tree, work: Work):
+        self.work = work
         self.nfa = nfa = LookNfa()
         self.start, self.end = nfa.build(tree)
+        work.spend(len(nfa.eps))
         self.intervals = atoms(ranges for moves in nfa.moves for ranges, _ in moves)
         lows = [low for low, _ in self.intervals]
         # atoms in the same labels move alike: one representative per class
@@ -156,6 +191,7 @@ class _Alternating:
                     self.table[state][atom].append(target)
         classes: dict = {}
         self.atom_class = [classes.setdefault(tuple(member.get(atom, ())), atom) for atom in range(len(self.intervals))]
+        self.firsts = sorted(classes.values())
         self.memo: dict = {}
 
     def targets(self, state: int, atom: int) -> list[int]:
@@ -186,6 +222,7 @@ class _Alternating:
                 obligation = _settle(negated, self.closure([(what, _NONE)], trackers))
                 if obligation != _FAILED:
                     stack.append((target, obligations if obligation == _MET else obligations | {obligation}))
+        self.work.spend(1 + len(seen))
         self.memo[key] = result = frozenset(out)
         return result
 
@@ -194,6 +231,7 @@ class _Alternating:
         key = ("step", configs, atom, trackers)
         if key in self.memo:
             return self.memo[key]
+        self.work.spend(1 + sum(1 + len(obligations) for _, obligations in configs))
         seeds = []
         for state, obligations in configs:
             kept = set()
@@ -223,23 +261,22 @@ class _Alternating:
         while queue:
             key = queue.popleft()
             trackers, configs = key
+            self.work.spend(len(self.firsts) + len(self.atom_class) // 8 + len(configs) + sum(map(len, trackers)))
             if self.accepts(configs, self.end):
                 accepting.add(index[key])
             by_class: dict = {}
-            row = []
-            for atom, representative in enumerate(self.atom_class):
-                if representative not in by_class:
-                    moved = tuple(nfa.closure({t for s in part for t in self.targets(s, representative)})
-                                  for part in trackers)
-                    after = self.step(configs, representative, moved) if configs else _NONE
-                    target = (moved, after) if after else dead
-                    if target is None:
-                        dead = target = ((), _NONE)
-                    if target not in index:
-                        index[target] = len(index)
-                        over("automaton_states", len(index))
-                        queue.append(target)
-                    by_class[representative] = index[target]
-                row.append(by_class[representative])
-            rows.append(row)
-        return Dfa(self.intervals, rows, accepting).completed()
+            for representative in self.firsts:  # in atom order: states are numbered as the atoms meet them
+                moved = tuple(nfa.closure({t for s in part for t in self.targets(s, representative)})
+                              for part in trackers)
+                self.work.spend(1 + sum(map(len, trackers)) + sum(map(len, moved)))
+                after = self.step(configs, representative, moved) if configs else _NONE
+                target = (moved, after) if after else dead
+                if target is None:
+                    dead = target = ((), _NONE)
+                if target not in index:
+                    index[target] = len(index)
+                    over("automaton_states", len(index))
+                    queue.append(target)
+                by_class[representative] = index[target]
+            rows.append([by_class[representative] for representative in self.atom_class])
+        return Dfa(self.intervals, rows, accepting, self.work).completed()

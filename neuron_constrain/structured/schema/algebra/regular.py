@@ -17,21 +17,23 @@ only one dialect would take; the algebra's judge (``jsonschema``, the referee) r
 written here as what it stands for (:func:`referee_match`: not the first, or all of them, each
 read by Python's ``re``), never as its text.
 
-Every step is bounded (``caps.CAPS``: ``nfa_states``, ``automaton_states``, ``pattern_chars``): past a
-cap the rewrite is refused by name, never truncated. Lookarounds, word boundaries and anchors anywhere are
+Every step is bounded (``caps.CAPS``: ``nfa_states``, ``automaton_states``, ``automaton_work``: the steps
+of the construction counted as they are taken, ``pattern_chars``): past a cap the rewrite is refused by
+name, with the pattern, never truncated. Lookarounds, word boundaries and anchors anywhere are
 built exactly (``lookaround.py``); a pattern with a refused feature (back-references, ...) has no complement
 here (None).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import re
 
 from neuron_constrain.structured.schema import patterns
 from neuron_constrain.structured.schema.algebra import lookaround
 from neuron_constrain.structured.schema.algebra.automata import Dfa
-from neuron_constrain.structured.schema.algebra.caps import over
+from neuron_constrain.structured.schema.algebra.caps import Over, over
 from neuron_constrain.structured.constraints import ConstraintError
 
 # a pattern written here -> what it stands for: ("not", source) or ("all", sources)
@@ -59,8 +61,9 @@ def complement_pattern(source: str):
     if pattern is None:
         return None
     tree = patterns.full_match(pattern, search=True)
-    dfa = lookaround.dfa([tree] if tree is not None else [])
-    return _written(dfa.complement().minimal(), ("not", source))
+    with _naming(source):
+        dfa = lookaround.dfa([tree] if tree is not None else [])
+        return _written(dfa.complement().minimal(), ("not", source))
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,7 +80,18 @@ def intersect_patterns(sources: tuple, wide: bool = False):
         if tree is None:
             return False
         trees.append(tree)
-    return _written(lookaround.dfa(trees).minimal(), ("all", sources))
+    with _naming(sources):
+        return _written(lookaround.dfa(trees).minimal(), ("all", sources))
+
+
+@contextlib.contextmanager
+def _naming(patterns_built):
+    """A cap passed while building ``patterns_built`` (a source, or a tuple of them) names them."""
+    try:
+        yield
+    except Over as passed:
+        passed.pattern = patterns_built
+        raise
 
 
 def _parsed(source: str, wide: bool):
