@@ -19,7 +19,7 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
                           (a pattern's: regular.py, through automata)
       finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
                           finite item domains -> the enum of the arrays; propertyNames of a closed
-                          object -> the declared names it takes
+                          object -> the declared names it takes; finitely many names -> closed on them
       pattern_names       overlapping patternProperties -> one disjoint pattern per set of them
 
 Every rewrite keeps the set of valid values exactly (``tests/structured/test_schema_algebra.py`` checks it
@@ -63,7 +63,8 @@ REWRITES = {
     "allOf": "its plain branches merged into the node (patterns intersected, bounds tightened, properties met "
              "name by name)",
     "patternProperties": "overlapping patterns: one disjoint pattern per set of them, its schemas met",
-    "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped",
+    "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped; "
+                     "taking finitely many names (`false`, `enum`, `const`): the object closed on them",
     "unevaluatedProperties": "`additionalProperties` per case, where the applicators fix what is evaluated",
     "unevaluatedItems": "`items` per case, where the applicators fix what is evaluated",
     "$dynamicRef": "`$ref` per dynamic scope, where the document fixes it",

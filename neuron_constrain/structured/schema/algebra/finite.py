@@ -108,11 +108,14 @@ def closed_names(node: dict, path: str, judge):
     """``propertyNames`` of a closed object (``additionalProperties: false``, no ``patternProperties``):
     every key is a declared property, so the names are judged here, once: those ``propertyNames``
     refuses leave ``properties`` (absent is forbidden there), and the keyword goes. A refused name that
-    is ``required`` leaves the node as it is (no object is valid; the engines' policies decide)."""
+    is ``required`` leaves the node as it is (no object is valid; the engines' policies decide).
+    ``propertyNames`` taking finitely many names (``false``, an ``enum``/``const``, no string type)
+    closes an open object on them (:func:`finite_names`)."""
     names, properties = node.get("propertyNames"), node.get("properties", {})
-    if names is None or node.get("additionalProperties") is not False or "patternProperties" in node \
-            or not isinstance(properties, dict):
+    if names is None or not isinstance(properties, dict) or "unevaluatedProperties" in node:
         return node
+    if node.get("additionalProperties") is not False or "patternProperties" in node:
+        return finite_names(node, names, properties, judge)
     try:
         refused = {name for name in properties if not judge.valid(names, name)}
     except judge.Unjudged:
@@ -123,6 +126,54 @@ def closed_names(node: dict, path: str, judge):
     node["properties"] = {name: sub for name, sub in properties.items() if name not in refused}
     del node["propertyNames"]
     return node
+
+
+def finite_names(node: dict, names, properties: dict, judge):
+    """An open object whose ``propertyNames`` takes finitely many names: each of them declared with
+    the schema its value must meet there (its ``properties`` entry and every ``patternProperties``
+    schema whose pattern it matches, else ``additionalProperties``), and nothing else
+    (``additionalProperties: false``). ``{"propertyNames": false}``: only the empty object."""
+    candidates = _name_domain(names)
+    patterns = node.get("patternProperties", {})
+    if candidates is None or not isinstance(patterns, dict):
+        return node
+    try:
+        taken = [n for n in candidates if judge.valid(names, n)]
+        declared = {}
+        for name in taken:
+            matched = [sub for pattern, sub in patterns.items() if judge.valid({"pattern": pattern}, name)]
+            if name in properties:
+                matched.insert(0, properties[name])
+            elif not matched:
+                matched.append(node.get("additionalProperties", {}))
+            schema: object = {}
+            for sub in matched:
+                schema = meet(schema, sub)
+            declared[name] = schema
+    except judge.Unjudged:
+        return node
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if set(required) - set(declared):
+        return node  # a required name propertyNames refuses: no object is valid (the policies decide)
+    node.pop("patternProperties", None)
+    del node["propertyNames"]
+    node["properties"], node["additionalProperties"] = declared, False
+    return node
+
+
+def _name_domain(names) -> list | None:
+    """The strings ``propertyNames`` may take, where finitely many (before judging them): None where
+    not finite here."""
+    if names is False:
+        return []
+    if not isinstance(names, dict):
+        return None
+    values = finite_values(names)
+    if values is not None:
+        over("string_set", len(values))
+        return list(dict.fromkeys(v for v in values if isinstance(v, str)))
+    kinds = rewrite.declared_types(names)
+    return [] if kinds is not None and "string" not in kinds else None
 
 
 def values_schema(values: list):
