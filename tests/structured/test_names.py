@@ -8,9 +8,11 @@ meaning and soundness around them.
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
+import torch
 
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
@@ -63,3 +65,64 @@ def test_finite_property_names_close_the_object_on_them():
 def test_a_required_name_property_names_refuses_leaves_the_node_to_the_policy():
     schema = {"type": "object", "propertyNames": {"enum": ["a"]}, "required": ["b"]}
     assert algebra.lower(schema)["propertyNames"] == {"enum": ["a"]}
+
+
+# ---- minProperties on open objects: counted on the host (item_plan.Plan.min_properties, item_tracker.Scan)
+COUNTED = {
+    "open object": ({"type": "object", "minProperties": 2},
+                    [{"a": 1, "b": 2}, {"a": {"x": 1}, "b": [{}], "c": None}], [{}, {"a": 1}, {"a": {"x": 1, "y": 2}}]),
+    "nested, beside declared properties": (
+        {"type": "object", "properties": {"a": {"type": "object", "minProperties": 2}}, "minProperties": 2},
+        [{"a": {"x": 1, "y": 2}, "b": 1}, {"b": 1, "c": 2}], [{"a": {"x": 1}, "b": 1}, {"a": {"x": 1, "y": 2}}]),
+    "in array items, with patternProperties": (
+        {"type": "array", "items": {"type": "object", "patternProperties": {"^a": {"type": "integer"}},
+                                    "minProperties": 3}},
+         [[], [{"a": 1, "ab": 2, "c": "x"}]], [[{"a": 1, "ab": 2}], [{"a": 1, "b": 2, "c": 3}, {}]]),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTED))
+def test_min_properties_on_open_objects_is_counted_on_the_host(auto, name):
+    _check(auto, *COUNTED[name])
+
+
+def test_a_repeated_name_counts_once(auto):
+    compiled = auto.compile(S.json_schema({"type": "object", "minProperties": 2}, strict=False))
+    assert not force(auto, compiled, auto.tokenizer.encode('{"a": 1, "a": 2}'))  # json reads one property
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "minProperties": 2, "propertyNames": {"maxLength": 1}},  # names may run out: not counted
+    {"anyOf": [{"type": "object", "minProperties": 2}, {"type": "object", "minProperties": 3}]},  # a branch decides
+])
+def test_min_properties_the_counter_cannot_take_stays_refused_by_name(auto, schema):
+    with pytest.raises(S.ConstraintError, match="minProperties"):
+        auto.compile(S.json_schema(schema, strict=False))
+
+
+def test_a_walk_under_the_mask_closes_an_open_object_only_with_enough_names(auto):
+    """Random tokens among those the mask allows: never a dead end (the object stays open), every finished
+    output valid (jsonschema)."""
+    schema = {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 2}
+    validator, rng = jsonschema.Draft202012Validator(schema), random.Random(3)
+    compiled = auto.compile(S.json_schema(schema, strict=False, whitespace="none"))
+    buffer = torch.zeros((1, auto.width), dtype=torch.int32)
+    finished = 0
+    for _ in range(20):
+        matcher, tokens = auto.matcher(compiled), []
+        while not matcher.is_terminated() and len(tokens) < 80:
+            assert auto.batch_fill([matcher], buffer, [0]) == []
+            bits = torch.nonzero(_unpacked(buffer[0], auto.vocab_size)).flatten().tolist()
+            assert bits, auto.tokenizer.decode(tokens)
+            token = rng.choice(bits)
+            assert matcher.accept_token(token)
+            tokens.append(token)
+        if matcher.is_terminated():
+            finished += 1
+            assert validator.is_valid(json.loads(auto.tokenizer.decode(tokens[:-1])))
+    assert finished >= 5, finished
+
+
+def _unpacked(row: torch.Tensor, size: int) -> torch.Tensor:
+    bits = (row.unsqueeze(-1).to(torch.int64) >> torch.arange(32)) & 1
+    return bits.flatten()[:size].bool()

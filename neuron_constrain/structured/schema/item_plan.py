@@ -17,6 +17,12 @@ branches disagree at one place, a ``then`` without an ``else``, an open object w
 disagree) is refused, since the tracker cannot see which branch the output follows. Only nodes some
 place reaches are taken (a ``uniqueItems`` under ``not`` stays, and is refused). Shapes are found once
 per schema, breadth first, at most :data:`SHAPES_CAP`.
+
+Its sibling for objects counts property names: ``minProperties`` above 1 on an open object (neither
+engine counts names an additional key may repeat) is the tracker's where every node of the object's
+shape takes new names without end (no ``additionalProperties: false``, no ``propertyNames``), so that
+refusing the closing brace leaves the output a way on; the least count is then known per shape
+(:meth:`Plan.min_properties`), and a brace before that many distinct names is refused.
 """
 from __future__ import annotations
 
@@ -33,6 +39,20 @@ OTHER = ("other",)  # any name no node of the shape declares
 # --------------------------------------------------------------------------- shapes
 MIXED, NONE = "mixed", "none"  # what an array must meet depends on a branch; no array fits here
 KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains")  # what the tracker takes
+COUNTED = ("minProperties",)  # what the name counter takes, per node (``Plan.counted``)
+
+
+def counts_names(node: dict) -> bool:
+    """Whether ``node``'s ``minProperties`` is one the engines leave (above 1 where an additional key may be
+    written twice, ``keywords.distinct_keys``), which the name counter takes where its objects stay open."""
+    value = node.get("minProperties")
+    return (isinstance(value, int) and not isinstance(value, bool) and value > 1
+            and (node.get("additionalProperties") is not False or "patternProperties" in node))
+
+
+def _open(node: dict) -> bool:
+    """Whether an object under ``node`` may always take one more new name (refusing its brace is no dead end)."""
+    return node.get("additionalProperties") is not False and not {"propertyNames", "unevaluatedProperties"} & set(node)
 
 
 class Plan:
@@ -53,13 +73,16 @@ class Plan:
         self._status: dict = {}
         self._referee, self._judged = None, {}
         self.reached: set[int] = set()  # id() of the nodes some place's shape holds: those the tracker takes
+        self.counted: set[int] = set()  # id() of the nodes whose minProperties the name counter takes
+        self._least: dict = {}
         self.root = self.shape(schema)
         self.untracked = self._check()
+        self.contained = any("contains" in node and id(node) in self.reached for node in self._nodes)
 
     @classmethod
     def of(cls, schema) -> "Plan | None":
         if not isinstance(schema, dict) or not any(node.get("uniqueItems") is True or "contains" in node
-                                                   for _, node in rewrite.walk(schema)):
+                                                   or counts_names(node) for _, node in rewrite.walk(schema)):
             return None
         return cls(schema)
 
@@ -169,11 +192,38 @@ class Plan:
         found = self.status(shape)
         return found if isinstance(found, frozenset) else frozenset()
 
-    KEYWORDS = KEYWORDS
+    KEYWORDS = KEYWORDS + COUNTED
 
-    def takes(self, node: dict) -> bool:
-        """Whether the tracker enforces ``node``'s :data:`KEYWORDS` (the engine compiles it without them)."""
+    def takes(self, node: dict, keyword: str | None = None) -> bool:
+        """Whether the tracker enforces ``node``'s :data:`KEYWORDS` (``keyword``: that one of them; the engine
+        compiles the node without what the tracker takes)."""
+        if keyword in COUNTED:
+            return self.untracked is None and id(node) in self.counted
         return self.untracked is None and id(node) in self.reached
+
+    def min_properties(self, shape):
+        """The least number of distinct names an object at ``shape`` must have, where the name counter takes
+        it (0: nothing to count); MIXED where branches disagree on it or an object there may stop taking names."""
+        if shape == ANY:
+            return 0
+        if shape not in self._least:
+            least = self._least_of(shape)
+            self._least[shape] = self._open_or_mixed(shape, least) if shape[0] != "or" and least != MIXED else least
+        return self._least[shape]
+
+    def _least_of(self, shape):
+        if shape[0] == "node":
+            node = self._nodes[shape[1]]
+            return node["minProperties"] if counts_names(node) else 0
+        found = [self.min_properties(part) for part in shape[1]] or [0]
+        if MIXED in found:
+            return MIXED
+        if shape[0] == "or":
+            return found[0] if all(f == found[0] for f in found) else MIXED  # ("or", ()): no value at all
+        return max(found)
+
+    def _open_or_mixed(self, shape, least):
+        return least if not least or all(_open(self._nodes[i]) for i in self._leaves(shape)) else MIXED
 
     def contains(self, index: int) -> tuple:
         """``(contains, minContains, maxContains)`` of node ``index``."""
@@ -198,7 +248,7 @@ class Plan:
         return min(found, default=None)
 
     def _check(self) -> str | None:
-        queue, seen = collections.deque([self.root]), {self.root}
+        queue, seen, mixed = collections.deque([self.root]), {self.root}, set()
         while queue:
             shape = queue.popleft()
             if self.status(shape) == MIXED:
@@ -207,6 +257,8 @@ class Plan:
             if shape == ANY:
                 continue
             self.reached.update(id(self._nodes[i]) for i in self._leaves(shape))
+            counting = {id(self._nodes[i]) for i in self._leaves(shape) if counts_names(self._nodes[i])}
+            (mixed if self.min_properties(shape) == MIXED else self.counted).update(counting)
             following = [self.member(shape, name) for name in (*self.names(shape), OTHER)]
             following += [self.item(shape, i) for i in range(self._prefix(shape) + 1)]
             for nxt in following:
@@ -215,6 +267,7 @@ class Plan:
                     queue.append(nxt)
                     if len(seen) > SHAPES_CAP:
                         return f"more than {SHAPES_CAP} places to follow through the schema"
+        self.counted -= mixed  # a node some place cannot count for stays the engine's (and is refused there)
         return None
 
     def _leaves(self, shape):
@@ -230,7 +283,7 @@ class Plan:
         """The schema without what the tracker enforces (what the engine compiles)."""
         def copy(value):
             if isinstance(value, dict):
-                drop = KEYWORDS if id(value) in self.reached else ()
+                drop = (KEYWORDS if id(value) in self.reached else ()) + (COUNTED if id(value) in self.counted else ())
                 return {k: copy(v) for k, v in value.items() if k not in drop}
             return [copy(v) for v in value] if isinstance(value, list) else value
         return copy(self.schema)

@@ -290,7 +290,7 @@ def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
                 continue
             why = lists.why_not(keyword, node, schema)
             if why is not None and tracker is not None and keyword in tracker.KEYWORDS:
-                if tracker.takes(node):
+                if tracker.takes(node, keyword):
                     continue  # the host's tracker enforces it (item_plan.py)
                 if tracker.untracked is not None:
                     why = f"{why}; the host's tracker neither: {tracker.untracked}"

@@ -60,6 +60,8 @@ REWRITES = {
     "maxContains": "with `contains`",
     "uniqueItems": "over finite item domains: the `enum` of the arrays; else enforced on the host by the library's "
                    "item tracker, where the schema fixes which arrays need it (not a branch the engine picks)",
+    "minProperties": "above 1 on an open object: counted on the host by the library's item tracker (distinct "
+                     "names), where the schema fixes which objects need it",
     "allOf": "its plain branches merged into the node (patterns intersected, bounds tightened, properties met "
              "name by name)",
     "patternProperties": "overlapping patterns: one disjoint pattern per set of them, its schemas met",
