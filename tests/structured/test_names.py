@@ -103,8 +103,11 @@ def test_min_properties_the_counter_cannot_take_stays_refused_by_name(auto, sche
 def test_a_walk_under_the_mask_closes_an_open_object_only_with_enough_names(auto):
     """Random tokens among those the mask allows: never a dead end (the object stays open), every finished
     output valid (jsonschema)."""
-    schema = {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 2}
-    validator, rng = jsonschema.Draft202012Validator(schema), random.Random(3)
+    _walk(auto, {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 2}, seed=3)
+
+
+def _walk(auto, schema, seed: int):
+    validator, rng = jsonschema.Draft202012Validator(schema), random.Random(seed)
     compiled = auto.compile(S.json_schema(schema, strict=False, whitespace="none"))
     buffer = torch.zeros((1, auto.width), dtype=torch.int32)
     finished = 0
@@ -121,6 +124,44 @@ def test_a_walk_under_the_mask_closes_an_open_object_only_with_enough_names(auto
             finished += 1
             assert validator.is_valid(json.loads(auto.tokenizer.decode(tokens[:-1])))
     assert finished >= 5, finished
+
+
+# ---- not over member keywords: an existential, checked member by member (item_plan.Plan.exists)
+EXISTENTIAL = {
+    "not over patternProperties": ({"not": {"patternProperties": {"^a": {"type": "integer"}}}},
+                                   [{"a": "x"}, {"b": 1, "ab": None}], [{}, {"a": 1}, {"b": "x"}, "a", 3]),
+    "not over properties and additionalProperties": (
+        {"type": "object", "not": {"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}},
+        [{"a": "x"}, {"b": 1}, {"a": 1, "c": True}], [{}, {"a": 1}, {"a": 1, "b": "s"}]),
+    "nested in an allOf, under a $ref": (
+        {"$ref": "#/$defs/x", "$defs": {"x": {"type": "object", "required": ["k"], "allOf": [
+            {"not": {"patternProperties": {"k": {"type": "array", "items": {"minimum": 2}}}}}]}}},
+        [{"k": [1]}, {"k": [3], "kk": [0]}], [{"k": [3]}, {"k": []}, {"kk": [1]}]),
+}
+
+
+@pytest.mark.parametrize("name", list(EXISTENTIAL))
+def test_not_over_member_keywords_is_checked_member_by_member(auto, name):
+    _check(auto, *EXISTENTIAL[name])
+
+
+def test_an_existential_counts_a_repeated_name_by_its_last_value(auto):
+    compiled = auto.compile(S.json_schema(EXISTENTIAL["not over patternProperties"][0], strict=False))
+    assert not force(auto, compiled, auto.tokenizer.encode('{"a": "x", "a": 1}'))  # json reads {"a": 1}
+    assert force(auto, compiled, auto.tokenizer.encode('{"a": 1, "a": "x"}'))
+
+
+def test_an_existential_a_branch_decides_stays_refused_by_name(auto):
+    schema = {"anyOf": [{"type": "object", "not": {"patternProperties": {"^a": {"type": "integer"}}}}, {"type": "string"}]}
+    with pytest.raises(S.ConstraintError, match="not"):
+        auto.compile(S.json_schema(schema, strict=False))
+
+
+def test_a_walk_under_the_mask_closes_an_object_only_once_a_member_breaks_the_not(auto):
+    """Never a dead end while the object may take members; every finished output valid."""
+    schema = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+              "not": {"additionalProperties": {"maximum": 7}}}
+    _walk(auto, schema, seed=5)
 
 
 def _unpacked(row: torch.Tensor, size: int) -> torch.Tensor:

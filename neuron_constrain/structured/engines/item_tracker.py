@@ -59,6 +59,16 @@ def _read(text: bytes):
 
 
 # --------------------------------------------------------------------------- the output, read as JSON
+def _least(frame) -> int:
+    """The distinct names an object frame must reach (0: none counted)."""
+    return next((n for kind, n in frame[2] if kind == "least"), 0)
+
+
+def _asked(checks) -> list:
+    """The node indices of an object frame's existential checks, in a fixed order (its met sets' order)."""
+    return sorted(i for kind, i in checks if kind == "exists")
+
+
 def _contained(frame) -> list:
     """The node indices of a frame's ``contains`` checks, in a fixed order (its counts' order)."""
     return sorted(c for c in frame[2] if c != "unique")
@@ -147,10 +157,11 @@ class Scan:
             return True
         if byte in b"]}":
             frame = self.stack[-1]
-            if frame[8] and any(count < self.plan.contains(i)[1] for i, count in zip(_contained(frame), frame[8])):
+            if frame[0] and frame[8] and any(count < self.plan.contains(i)[1]
+                                             for i, count in zip(_contained(frame), frame[8])):
                 return False  # closed with too few items its `contains` takes
-            if not frame[0] and frame[2] and len(frame[3]) < min(frame[2])[1]:
-                return False  # closed with fewer distinct names than its minProperties
+            if not frame[0] and frame[2] and (len(frame[3]) < _least(frame) or not all(frame[8])):
+                return False  # fewer distinct names than its minProperties, or no member its `not` asks for
             self.stack = self.stack[:-1]
             return self._end(pos + 1)
         if byte == 0x22 and self.stack and not self.stack[-1][0] and self.stack[-1][7]:
@@ -159,10 +170,9 @@ class Scan:
         shape = self._start(pos)
         if byte in b"[{":
             is_array = byte == 0x5B
-            least = 0 if is_array else self.plan.min_properties(shape)
-            checks = self.plan.tracked(shape) if is_array else (
-                frozenset({("least", least)}) if isinstance(least, int) and least > 0 else frozenset())
-            counts = (0,) * sum(1 for c in checks if c != "unique") if is_array else ()
+            checks = self.plan.tracked(shape) if is_array else self._object_checks(shape)
+            counts = (0,) * sum(1 for c in checks if c != "unique") if is_array else (
+                (frozenset(),) * len(_asked(checks)))
             self.stack = (*self.stack, (is_array, shape, checks, frozenset(), -1, 0, None, not is_array, counts))
         elif byte == 0x22:
             self.string = pos + 1
@@ -171,6 +181,13 @@ class Scan:
         else:
             self.scalar = pos
         return True
+
+    def _object_checks(self, shape) -> frozenset:
+        """What an object at ``shape`` must meet: ``("least", n)`` distinct names, ``("exists", i)`` a member
+        breaking node ``i``'s ``not`` (a branch decides: nothing here, the engine refused it)."""
+        least, asked = self.plan.min_properties(shape), self.plan.exists(shape)
+        return frozenset(([("least", least)] if isinstance(least, int) and least > 0 else [])
+                         + ([("exists", i) for i in asked] if isinstance(asked, frozenset) else []))
 
     def _start(self, pos: int) -> frozenset:
         """A value starts at ``pos``: its shape (and, in a tracked array, where the item starts)."""
@@ -182,6 +199,8 @@ class Scan:
                 self.stack = (*self.stack[:-1], (*frame[:4], pos, *frame[5:]))
             return self.plan.item(frame[1], frame[5])
         name = frame[6]
+        if frame[8]:  # a member an existential judges: where its value starts
+            self.stack = (*self.stack[:-1], (*frame[:4], pos, *frame[5:]))
         return self.plan.member(frame[1], name if name in self.plan.names(frame[1]) else OTHER)
 
     def _end(self, end: int) -> bool:
@@ -190,6 +209,12 @@ class Scan:
         if not self.stack:
             return True
         frame = self.stack[-1]
+        if not frame[0] and frame[8] and frame[4] >= 0:  # a member's value: the names whose last value breaks a `not`
+            text, name = bytes(self.text[frame[4]:end]), frame[6]
+            met = tuple(m | {name} if self.plan.breaks(i, name, text) else m - {name}
+                        for i, m in zip(_asked(frame[2]), frame[8]))
+            self.stack = (*self.stack[:-1], (*frame[:4], -1, *frame[5:8], met))
+            return True
         if not (frame[0] and frame[2] and frame[4] >= 0):
             return True
         text = bytes(self.text[frame[4]:end])
@@ -348,7 +373,7 @@ class ItemTrackingMatcher:
         scan = self.scan
         words = buffer[row].numpy().view(np.uint32)
         if not scan.watching():
-            if self.plan.counted or self.plan.contained:  # an object or array opened and closed in one token
+            if self.plan.counted or self.plan.contained or self.plan.existing:  # an object or array opened and closed in one token
                 for token in self.vocabulary.reopen:
                     if words[token >> 5] >> (token & 31) & 1 and scan.fed(self.vocabulary.pieces[token]) is None:
                         words[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))

@@ -22,7 +22,11 @@ Its sibling for objects counts property names: ``minProperties`` above 1 on an o
 engine counts names an additional key may repeat) is the tracker's where every node of the object's
 shape takes new names without end (no ``additionalProperties: false``, no ``propertyNames``), so that
 refusing the closing brace leaves the output a way on; the least count is then known per shape
-(:meth:`Plan.min_properties`), and a brace before that many distinct names is refused.
+(:meth:`Plan.min_properties`), and a brace before that many distinct names is refused. A ``not`` over
+the member keywords alone (``properties``, ``patternProperties``, ``additionalProperties``) asks for one
+member that breaks them: an existential the tracker checks member by member (``jsonschema`` judges
+``{name: value}``; the name's last value counts), refusing the brace until one is found
+(:meth:`Plan.exists`); the engine compiles the node as ``type: object`` in its place.
 """
 from __future__ import annotations
 
@@ -40,6 +44,17 @@ OTHER = ("other",)  # any name no node of the shape declares
 MIXED, NONE = "mixed", "none"  # what an array must meet depends on a branch; no array fits here
 KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains")  # what the tracker takes
 COUNTED = ("minProperties",)  # what the name counter takes, per node (``Plan.counted``)
+MEMBER_KEYWORDS = frozenset({"properties", "patternProperties", "additionalProperties"})
+
+
+def existential(node: dict) -> bool:
+    """Whether ``node``'s ``not`` is over member keywords alone (some member must break them; beside them a
+    ``type: object``, which only lets non-objects through as well), on a node that may be an object."""
+    negated, kinds = node.get("not"), rewrite.declared_types(node)
+    if not isinstance(negated, dict) or negated.get("type", "object") not in ("object", ["object"]):
+        return False
+    members = set(negated) - {"type"}
+    return bool(members) and members <= MEMBER_KEYWORDS and (kinds is None or "object" in kinds)
 
 
 def counts_names(node: dict) -> bool:
@@ -74,6 +89,8 @@ class Plan:
         self._referee, self._judged = None, {}
         self.reached: set[int] = set()  # id() of the nodes some place's shape holds: those the tracker takes
         self.counted: set[int] = set()  # id() of the nodes whose minProperties the name counter takes
+        self.existing: set[int] = set()  # id() of the nodes whose existential `not` the tracker checks
+        self._exists: dict = {}
         self._least: dict = {}
         self.root = self.shape(schema)
         self.untracked = self._check()
@@ -82,7 +99,8 @@ class Plan:
     @classmethod
     def of(cls, schema) -> "Plan | None":
         if not isinstance(schema, dict) or not any(node.get("uniqueItems") is True or "contains" in node
-                                                   or counts_names(node) for _, node in rewrite.walk(schema)):
+                                                   or counts_names(node) or existential(node)
+                                                   for _, node in rewrite.walk(schema)):
             return None
         return cls(schema)
 
@@ -192,13 +210,13 @@ class Plan:
         found = self.status(shape)
         return found if isinstance(found, frozenset) else frozenset()
 
-    KEYWORDS = KEYWORDS + COUNTED
+    KEYWORDS = KEYWORDS + COUNTED + ("not",)
 
     def takes(self, node: dict, keyword: str | None = None) -> bool:
         """Whether the tracker enforces ``node``'s :data:`KEYWORDS` (``keyword``: that one of them; the engine
         compiles the node without what the tracker takes)."""
-        if keyword in COUNTED:
-            return self.untracked is None and id(node) in self.counted
+        if keyword in COUNTED or keyword == "not":
+            return self.untracked is None and id(node) in (self.counted if keyword in COUNTED else self.existing)
         return self.untracked is None and id(node) in self.reached
 
     def min_properties(self, shape):
@@ -221,6 +239,32 @@ class Plan:
         if shape[0] == "or":
             return found[0] if all(f == found[0] for f in found) else MIXED  # ("or", ()): no value at all
         return max(found)
+
+    def exists(self, shape):
+        """The node indices whose existential ``not`` an object at ``shape`` must meet (MIXED: a branch decides)."""
+        if shape == ANY:
+            return frozenset()
+        if shape not in self._exists:
+            if shape[0] == "node":
+                found = frozenset([shape[1]] if existential(self._nodes[shape[1]]) else [])
+            else:
+                parts = [self.exists(part) for part in shape[1]] or [frozenset()]
+                found = MIXED if MIXED in parts else frozenset().union(*parts) if shape[0] == "and" else (
+                    parts[0] if all(p == parts[0] for p in parts) else MIXED)
+            self._exists[shape] = found
+        return self._exists[shape]
+
+    def breaks(self, index: int, name: str, text: bytes) -> bool:
+        """Whether the member ``name: text`` breaks what node ``index``'s ``not`` negates (meets the existential)."""
+        key = ("not", index, name, text)
+        if key not in self._judged:
+            if self._referee is None:
+                self._referee = keywords.validator(self.schema)
+            if len(self._judged) > 4096:
+                self._judged.clear()
+            negated = self._referee.evolve(schema=self._nodes[index]["not"])
+            self._judged[key] = not negated.is_valid({name: json.loads(text)})
+        return self._judged[key]
 
     def _open_or_mixed(self, shape, least):
         return least if not least or all(_open(self._nodes[i]) for i in self._leaves(shape)) else MIXED
@@ -259,6 +303,8 @@ class Plan:
             self.reached.update(id(self._nodes[i]) for i in self._leaves(shape))
             counting = {id(self._nodes[i]) for i in self._leaves(shape) if counts_names(self._nodes[i])}
             (mixed if self.min_properties(shape) == MIXED else self.counted).update(counting)
+            asking = {id(self._nodes[i]) for i in self._leaves(shape) if existential(self._nodes[i])}
+            (mixed if self.exists(shape) == MIXED else self.existing).update(asking)
             following = [self.member(shape, name) for name in (*self.names(shape), OTHER)]
             following += [self.item(shape, i) for i in range(self._prefix(shape) + 1)]
             for nxt in following:
@@ -268,6 +314,7 @@ class Plan:
                     if len(seen) > SHAPES_CAP:
                         return f"more than {SHAPES_CAP} places to follow through the schema"
         self.counted -= mixed  # a node some place cannot count for stays the engine's (and is refused there)
+        self.existing -= mixed
         return None
 
     def _leaves(self, shape):
@@ -284,6 +331,8 @@ class Plan:
         def copy(value):
             if isinstance(value, dict):
                 drop = (KEYWORDS if id(value) in self.reached else ()) + (COUNTED if id(value) in self.counted else ())
+                if id(value) in self.existing:  # `not` over members: only objects are valid; the tracker asks the rest
+                    return {**{k: copy(v) for k, v in value.items() if k not in (*drop, "not")}, "type": "object"}
                 return {k: copy(v) for k, v in value.items() if k not in drop}
             return [copy(v) for v in value] if isinstance(value, list) else value
         return copy(self.schema)

@@ -313,10 +313,11 @@ def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
 
 
 def _judged(schema: dict, tracker) -> list[str]:
-    """The pointers of the ``contains`` subschemas the tracker judges itself (none without a tracker)."""
+    """The pointers of the ``contains`` (and existential ``not``) subschemas the tracker judges itself."""
     if tracker is None:
         return []
-    return [f"{path}/contains" for path, node in walk(schema) if "contains" in node and tracker.takes(node)]
+    return [f"{path}/{k}" for path, node in walk(schema) for k in ("contains", "not") if k in node
+            and tracker.takes(node, None if k == "contains" else k)]
 
 
 # --------------------------------------------------------------------------- patterns

@@ -49,7 +49,8 @@ REWRITES = {
     "if": "`anyOf` of (`if` and `then`), (not `if` and `else`) where not `if` has a positive form "
           "(decided by type, `required`, `const`/`enum`, single bounds)",
     "not": "its positive complement, over type, `const`, `enum`, `required`, single bounds, `pattern` (the "
-           "complement of its language, through automata)",
+           "complement of its language, through automata); over member keywords alone: a member that breaks "
+           "them, checked on the host by the library's item tracker, where the schema fixes which objects need it",
     "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
              "objects, discriminating `const`s), else of each branch and the others' complements "
              "(a finite branch: its values the others refuse)",
