@@ -13,11 +13,15 @@ import random
 import jsonschema
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.schema import algebra
 from neuron_constrain.testing import force, toy_tokenizer
+from neuron_constrain.testing.algebra_schemas import meaning_changes
+from tests.conftest import examples
 
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic(lane="latest")
@@ -167,3 +171,33 @@ def test_a_walk_under_the_mask_closes_an_object_only_once_a_member_breaks_the_no
 def _unpacked(row: torch.Tensor, size: int) -> torch.Tensor:
     bits = (row.unsqueeze(-1).to(torch.int64) >> torch.arange(32)) & 1
     return bits.flatten()[:size].bool()
+
+
+# ---- oneOf branches that overlap only on [], {}, "": the overlap enumerated and excluded (disjoint.py)
+EMPTY_OVERLAP = {
+    "unevaluatedItems through oneOf": (
+        {"type": "array", "oneOf": [{"prefixItems": [{"const": "a"}, {"type": "integer"}]}, {"prefixItems": [{"const": "b"}]}],
+         "unevaluatedItems": False}, [["a"], ["a", 1], ["b"]], [[], ["a", 1, 2], ["b", 1], ["c"]]),
+    "oneOf by the first item": ({"type": "array", "oneOf": [{"prefixItems": [{"type": "string"}]},
+                                                             {"prefixItems": [{"type": "integer"}]}]},
+                                [["x"], [1, "y"]], [[], [None]]),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_OVERLAP))
+def test_one_of_branches_overlapping_only_on_empty_values_compile(auto, name):
+    _check(auto, *EMPTY_OVERLAP[name])
+
+
+_POSITION = st.sampled_from(({"const": "a"}, {"const": "b"}, {"type": "integer"}, {"type": "string"}, {}, {"enum": [1, "a"]}))
+_BRANCH = st.fixed_dictionaries({"prefixItems": st.lists(_POSITION, min_size=1, max_size=2)}, optional={
+    "items": st.sampled_from(({}, False, {"type": "integer"})), "minItems": st.integers(0, 2)})
+_ARRAYS = st.lists(st.lists(st.sampled_from(("a", "b", 1, 2, None, "c")), max_size=3), min_size=8, max_size=8)
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
+@given(branches=st.lists(_BRANCH, min_size=2, max_size=3), typed=st.sampled_from(({}, {"type": "array"})),
+       unevaluated=st.sampled_from((None, False, {"type": "string"})), instances=_ARRAYS)
+def test_empty_overlap_keeps_the_meaning(branches, typed, unevaluated, instances):
+    schema = {**typed, "oneOf": branches, **({} if unevaluated is None else {"unevaluatedItems": unevaluated})}
+    assert not meaning_changes(schema, [*instances, [], {}, "", 1]), json.dumps(schema)

@@ -52,7 +52,7 @@ REWRITES = {
            "complement of its language, through automata); over member keywords alone: a member that breaks "
            "them, checked on the host by the library's item tracker, where the schema fixes which objects need it",
     "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
-             "objects, discriminating `const`s), else of each branch and the others' complements "
+             "objects, discriminating `const`s; but for `[]`, `{}`, `\"\"`, then excluded where two accept them), else of each branch and the others' complements "
              "(a finite branch: its values the others refuse)",
     "contains": "lengths or first-match positions, where the contained schema and the items partition the items; "
                 "else counted on the host by the item tracker (each item judged by `jsonschema`), where the schema "
