@@ -160,8 +160,9 @@ class Scan:
             if frame[0] and frame[8] and any(count < self.plan.contains(i)[1]
                                              for i, count in zip(_contained(frame), frame[8])):
                 return False  # closed with too few items its `contains` takes
-            if not frame[0] and frame[2] and (len(frame[3]) < _least(frame) or not all(frame[8])):
-                return False  # fewer distinct names than its minProperties, or no member its `not` asks for
+            if not frame[0] and frame[2] and (len(frame[3]) < _least(frame) or not all(frame[8])
+                                              or not self._whole(frame, pos)):
+                return False  # fewer distinct names than its minProperties, no member its `not` asks for, not one oneOf branch
             self.stack = self.stack[:-1]
             return self._end(pos + 1)
         if byte == 0x22 and self.stack and not self.stack[-1][0] and self.stack[-1][7]:
@@ -170,7 +171,7 @@ class Scan:
         shape = self._start(pos)
         if byte in b"[{":
             is_array = byte == 0x5B
-            checks = self.plan.tracked(shape) if is_array else self._object_checks(shape)
+            checks = self.plan.tracked(shape) if is_array else self._object_checks(shape, pos)
             counts = (0,) * sum(1 for c in checks if c != "unique") if is_array else (
                 (frozenset(),) * len(_asked(checks)))
             self.stack = (*self.stack, (is_array, shape, checks, frozenset(), -1, 0, None, not is_array, counts))
@@ -182,12 +183,20 @@ class Scan:
             self.scalar = pos
         return True
 
-    def _object_checks(self, shape) -> frozenset:
-        """What an object at ``shape`` must meet: ``("least", n)`` distinct names, ``("exists", i)`` a member
-        breaking node ``i``'s ``not`` (a branch decides: nothing here, the engine refused it)."""
+    def _object_checks(self, shape, pos: int) -> frozenset:
+        """What an object at ``shape`` opened at ``pos`` must meet: ``("least", n)`` distinct names, ``("exists",
+        i)`` a member breaking node ``i``'s ``not``, ``("whole", i)`` node ``i``'s ``oneOf`` on its text from
+        ``("from", pos)`` (a branch decides: nothing here, the engine refused it)."""
         least, asked = self.plan.min_properties(shape), self.plan.exists(shape)
-        return frozenset(([("least", least)] if isinstance(least, int) and least > 0 else [])
-                         + ([("exists", i) for i in asked] if isinstance(asked, frozenset) else []))
+        asked = sorted(asked) if isinstance(asked, frozenset) else []
+        return frozenset(([("least", least)] if isinstance(least, int) and least > 0 else []) + asked
+                         + [("from", pos)] * any(kind == "whole" for kind, _ in asked))
+
+    def _whole(self, frame, pos: int) -> bool:
+        """Whether the object closing at ``pos`` meets each ``oneOf`` judged on it whole."""
+        start = next((p for kind, p in frame[2] if kind == "from"), None)
+        return start is None or all(self.plan.whole(i, bytes(self.text[start:pos + 1]))
+                                    for kind, i in frame[2] if kind == "whole")
 
     def _start(self, pos: int) -> frozenset:
         """A value starts at ``pos``: its shape (and, in a tracked array, where the item starts)."""
@@ -373,7 +382,7 @@ class ItemTrackingMatcher:
         scan = self.scan
         words = buffer[row].numpy().view(np.uint32)
         if not scan.watching():
-            if self.plan.counted or self.plan.contained or self.plan.existing:  # an object or array opened and closed in one token
+            if self.plan.counted or self.plan.contained or self.plan.existing or self.plan.wholes:  # an object or array opened and closed in one token
                 for token in self.vocabulary.reopen:
                     if words[token >> 5] >> (token & 31) & 1 and scan.fed(self.vocabulary.pieces[token]) is None:
                         words[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))

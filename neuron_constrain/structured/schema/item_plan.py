@@ -26,7 +26,10 @@ refusing the closing brace leaves the output a way on; the least count is then k
 the member keywords alone (``properties``, ``patternProperties``, ``additionalProperties``) asks for one
 member that breaks them: an existential the tracker checks member by member (``jsonschema`` judges
 ``{name: value}``; the name's last value counts), refusing the brace until one is found
-(:meth:`Plan.exists`); the engine compiles the node as ``type: object`` in its place.
+(:meth:`Plan.exists`); the engine compiles the node as ``type: object`` in its place. A ``oneOf`` the
+algebra left (branches that overlap where no complement is written) on a node only objects satisfy is
+judged whole as the object closes (``jsonschema`` on its text: exactly one branch), the engine
+compiling it as ``anyOf``.
 """
 from __future__ import annotations
 
@@ -45,6 +48,17 @@ MIXED, NONE = "mixed", "none"  # what an array must meet depends on a branch; no
 KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains")  # what the tracker takes
 COUNTED = ("minProperties",)  # what the name counter takes, per node (``Plan.counted``)
 MEMBER_KEYWORDS = frozenset({"properties", "patternProperties", "additionalProperties"})
+
+
+def judged_whole(node: dict) -> bool:
+    """Whether ``node``'s ``oneOf`` may be judged on the whole object as it closes: only objects satisfy the
+    node (its type, or every branch's), and no ``anyOf`` beside it takes the engine's ``anyOf``."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or not branches or "anyOf" in node:
+        return False
+    objects = frozenset({"object"})
+    return rewrite.declared_types(node) == objects or all(
+        isinstance(b, dict) and rewrite.declared_types(b) == objects for b in branches)
 
 
 def existential(node: dict) -> bool:
@@ -90,6 +104,7 @@ class Plan:
         self.reached: set[int] = set()  # id() of the nodes some place's shape holds: those the tracker takes
         self.counted: set[int] = set()  # id() of the nodes whose minProperties the name counter takes
         self.existing: set[int] = set()  # id() of the nodes whose existential `not` the tracker checks
+        self.wholes: set[int] = set()  # id() of the nodes whose `oneOf` the tracker judges on the closed object
         self._exists: dict = {}
         self._least: dict = {}
         self.root = self.shape(schema)
@@ -99,7 +114,7 @@ class Plan:
     @classmethod
     def of(cls, schema) -> "Plan | None":
         if not isinstance(schema, dict) or not any(node.get("uniqueItems") is True or "contains" in node
-                                                   or counts_names(node) or existential(node)
+                                                   or counts_names(node) or existential(node) or judged_whole(node)
                                                    for _, node in rewrite.walk(schema)):
             return None
         return cls(schema)
@@ -210,13 +225,14 @@ class Plan:
         found = self.status(shape)
         return found if isinstance(found, frozenset) else frozenset()
 
-    KEYWORDS = KEYWORDS + COUNTED + ("not",)
+    KEYWORDS = KEYWORDS + COUNTED + ("not", "oneOf")
 
     def takes(self, node: dict, keyword: str | None = None) -> bool:
         """Whether the tracker enforces ``node``'s :data:`KEYWORDS` (``keyword``: that one of them; the engine
         compiles the node without what the tracker takes)."""
-        if keyword in COUNTED or keyword == "not":
-            return self.untracked is None and id(node) in (self.counted if keyword in COUNTED else self.existing)
+        if keyword in (*COUNTED, "not", "oneOf"):
+            taken = {"not": self.existing, "oneOf": self.wholes}.get(keyword, self.counted)
+            return self.untracked is None and id(node) in taken
         return self.untracked is None and id(node) in self.reached
 
     def min_properties(self, shape):
@@ -241,12 +257,14 @@ class Plan:
         return max(found)
 
     def exists(self, shape):
-        """The node indices whose existential ``not`` an object at ``shape`` must meet (MIXED: a branch decides)."""
+        """What an object at ``shape`` is judged by: ``("exists", i)``, node ``i``'s existential ``not``;
+        ``("whole", i)``, node ``i``'s ``oneOf`` on the closed object (MIXED: a branch decides)."""
         if shape == ANY:
             return frozenset()
         if shape not in self._exists:
             if shape[0] == "node":
-                found = frozenset([shape[1]] if existential(self._nodes[shape[1]]) else [])
+                node = self._nodes[shape[1]]
+                found = frozenset([("exists", shape[1])] * existential(node) + [("whole", shape[1])] * judged_whole(node))
             else:
                 parts = [self.exists(part) for part in shape[1]] or [frozenset()]
                 found = MIXED if MIXED in parts else frozenset().union(*parts) if shape[0] == "and" else (
@@ -264,6 +282,18 @@ class Plan:
                 self._judged.clear()
             negated = self._referee.evolve(schema=self._nodes[index]["not"])
             self._judged[key] = not negated.is_valid({name: json.loads(text)})
+        return self._judged[key]
+
+    def whole(self, index: int, text: bytes) -> bool:
+        """Whether the object written ``text`` meets node ``index``'s ``oneOf`` (exactly one branch)."""
+        key = ("oneOf", index, text)
+        if key not in self._judged:
+            if self._referee is None:
+                self._referee = keywords.validator(self.schema)
+            if len(self._judged) > 4096:
+                self._judged.clear()
+            judged = self._referee.evolve(schema={"oneOf": self._nodes[index]["oneOf"]})
+            self._judged[key] = judged.is_valid(json.loads(text))
         return self._judged[key]
 
     def _open_or_mixed(self, shape, least):
@@ -304,7 +334,10 @@ class Plan:
             counting = {id(self._nodes[i]) for i in self._leaves(shape) if counts_names(self._nodes[i])}
             (mixed if self.min_properties(shape) == MIXED else self.counted).update(counting)
             asking = {id(self._nodes[i]) for i in self._leaves(shape) if existential(self._nodes[i])}
-            (mixed if self.exists(shape) == MIXED else self.existing).update(asking)
+            judging = {id(self._nodes[i]) for i in self._leaves(shape) if judged_whole(self._nodes[i])}
+            decided = self.exists(shape) != MIXED
+            (self.existing if decided else mixed).update(asking)
+            (self.wholes if decided else mixed).update(judging)
             following = [self.member(shape, name) for name in (*self.names(shape), OTHER)]
             following += [self.item(shape, i) for i in range(self._prefix(shape) + 1)]
             for nxt in following:
@@ -315,6 +348,7 @@ class Plan:
                         return f"more than {SHAPES_CAP} places to follow through the schema"
         self.counted -= mixed  # a node some place cannot count for stays the engine's (and is refused there)
         self.existing -= mixed
+        self.wholes -= mixed
         return None
 
     def _leaves(self, shape):
@@ -330,9 +364,12 @@ class Plan:
         """The schema without what the tracker enforces (what the engine compiles)."""
         def copy(value):
             if isinstance(value, dict):
-                drop = (KEYWORDS if id(value) in self.reached else ()) + (COUNTED if id(value) in self.counted else ())
-                if id(value) in self.existing:  # `not` over members: only objects are valid; the tracker asks the rest
-                    return {**{k: copy(v) for k, v in value.items() if k not in (*drop, "not")}, "type": "object"}
+                ident = id(value)
+                drop = (KEYWORDS if ident in self.reached else ()) + (COUNTED if ident in self.counted else ())
+                if ident in self.existing:  # `not` over members: only objects are valid; the tracker asks the rest
+                    value = {**{k: v for k, v in value.items() if k != "not"}, "type": "object"}
+                if ident in self.wholes:  # the engine keeps to one branch at least; the tracker judges the object
+                    value = {("anyOf" if k == "oneOf" else k): v for k, v in value.items()}
                 return {k: copy(v) for k, v in value.items() if k not in drop}
             return [copy(v) for v in value] if isinstance(value, list) else value
         return copy(self.schema)

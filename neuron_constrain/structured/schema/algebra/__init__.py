@@ -52,8 +52,10 @@ REWRITES = {
            "complement of its language, through automata); over member keywords alone: a member that breaks "
            "them, checked on the host by the library's item tracker, where the schema fixes which objects need it",
     "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
-             "objects, discriminating `const`s; but for `[]`, `{}`, `\"\"`, then excluded where two accept them), else of each branch and the others' complements "
-             "(a finite branch: its values the others refuse)",
+             "objects, discriminating `const`s; but for `[]`, `{}`, `\"\"`, then excluded where two accept them), "
+             "else of each branch and the others' complements "
+             "(a finite branch: its values the others refuse); else, over objects, `anyOf` judged whole on the host "
+             "by the library's item tracker as the object closes",
     "contains": "lengths or first-match positions, where the contained schema and the items partition the items; "
                 "else counted on the host by the item tracker (each item judged by `jsonschema`), where the schema "
                 "fixes which arrays need it",

@@ -151,9 +151,6 @@ def one_of(node: dict, path: str, judge):
     emptied = empty_overlap(branches, judge, within) if overlapping else {}
     if emptied is not None and emptied:  # branches that overlap only on [], {}, "": those values excluded
         overlapping = {(i, j) for i, j in overlapping if not apart_beyond_empty(branches[i], branches[j], judge, within)}
-        node = attach(node, emptied)
-        if node is False:
-            return False
     cases = []
     for i, branch in enumerate(branches):
         others = [branches[j] for j in range(len(branches)) if (i, j) in overlapping]
@@ -168,7 +165,8 @@ def one_of(node: dict, path: str, judge):
         cases.append(case)
     over("branches", len(cases))
     del node["oneOf"]
-    return attach(node, join(cases))
+    node = attach(node, emptied) if emptied else node
+    return node if node is False else attach(node, join(cases))
 
 
 def _finite_case(branch, others: list, judge):
