@@ -43,6 +43,10 @@ PINNED = {
         [{"a": 1}, {"a": 1, "bx": "s", "c": None}], [{}, {"a": "s"}, {"a": 1, "bx": 1}, {"a": 1, "c": 1},
                                                      {"a": 1, "d": None}, {"a": 1, "by": "s"}]),
     "propertyNames no string type": ({"type": "object", "propertyNames": {"type": "integer"}}, [{}], [{"1": 1}]),
+    "propertyNames pattern beside declared and additional": (
+        {"type": "object", "properties": {"a": {"type": "integer"}, "Bad": {}}, "patternProperties": {"^x": {"type": "null"}},
+         "additionalProperties": {"type": "string"}, "propertyNames": {"pattern": "^[a-z]+$"}},
+        [{}, {"a": 1, "b": "s"}, {"x": None, "xy": None}], [{"a": "s"}, {"Bad": 1}, {"b": 1}, {"x": "s"}, {"B": "s"}, {"b1": "s"}]),
 }
 
 

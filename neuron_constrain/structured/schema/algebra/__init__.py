@@ -69,7 +69,8 @@ REWRITES = {
              "name by name)",
     "patternProperties": "overlapping patterns: one disjoint pattern per set of them, its schemas met",
     "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped; "
-                     "taking finitely many names (`false`, `enum`, `const`): the object closed on them",
+                     "taking finitely many names (`false`, `enum`, `const`): the object closed on them; a `pattern` "
+                     "alone: each `patternProperties` pattern met with it, the additional names one pattern more",
     "unevaluatedProperties": "`additionalProperties` per case, where the applicators fix what is evaluated",
     "unevaluatedItems": "`items` per case, where the applicators fix what is evaluated",
     "$dynamicRef": "`$ref` per dynamic scope, where the document fixes it",

@@ -26,7 +26,8 @@ from neuron_constrain.structured.schema.algebra.caps import CAPS, over
 from neuron_constrain.structured.schema.algebra.conditionals import attach, stuck
 from neuron_constrain.structured.schema.algebra.disjoint import disjoint, finite_values
 from neuron_constrain.structured.schema.algebra.logic import join, meet
-from neuron_constrain.structured.schema.algebra.negation import complement
+from neuron_constrain.structured.schema.algebra.negation import _escape, complement
+from neuron_constrain.structured.schema.algebra.regular import complement_pattern, intersect_patterns
 
 _SMALL_RANGE = 16
 
@@ -110,11 +111,15 @@ def closed_names(node: dict, path: str, judge):
     refuses leave ``properties`` (absent is forbidden there), and the keyword goes. A refused name that
     is ``required`` leaves the node as it is (no object is valid; the engines' policies decide).
     ``propertyNames`` taking finitely many names (``false``, an ``enum``/``const``, no string type)
-    closes an open object on them (:func:`finite_names`)."""
+    closes an open object on them (:func:`finite_names`); a ``pattern`` alone, on patterns
+    (:func:`pattern_names`)."""
     names, properties = node.get("propertyNames"), node.get("properties", {})
     if names is None or not isinstance(properties, dict) or "unevaluatedProperties" in node:
         return node
     if node.get("additionalProperties") is not False or "patternProperties" in node:
+        if isinstance(names, dict) and set(names) <= {"pattern", "type"} and isinstance(names.get("pattern"), str) \
+                and names.get("type", "string") == "string":
+            return pattern_names(node, names, properties, judge)
         return finite_names(node, names, properties, judge)
     try:
         refused = {name for name in properties if not judge.valid(names, name)}
@@ -158,6 +163,48 @@ def finite_names(node: dict, names, properties: dict, judge):
     node.pop("patternProperties", None)
     del node["propertyNames"]
     node["properties"], node["additionalProperties"] = declared, False
+    return node
+
+
+def pattern_names(node: dict, names: dict, properties: dict, judge):
+    """An open object whose ``propertyNames`` is a ``pattern`` alone: closed on patterns. The declared
+    names it refuses leave ``properties``; each ``patternProperties`` pattern is met with it; the names
+    ``additionalProperties`` took become one pattern (the names pattern, less every other pattern and the
+    declared names: ``regular.py``) holding its schema. Left as written where a pattern has no
+    complement here (the policies decide)."""
+    patterns, extra = node.get("patternProperties", {}), node.get("additionalProperties", {})
+    if not isinstance(patterns, dict):
+        return node
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    try:
+        kept = {name: sub for name, sub in properties.items() if judge.valid(names, name)}
+        if not all(judge.valid(names, name) for name in required if isinstance(name, str)):
+            return node  # a required name propertyNames refuses: no object is valid (the policies decide)
+    except judge.Unjudged:
+        return node
+    met: dict = {}
+    for source, sub in patterns.items():
+        both = intersect_patterns((source, names["pattern"]))
+        if both is None or both in met:
+            return node
+        if both is not False:
+            met[both] = sub
+    if extra is not False:
+        declared = "^(?:" + "|".join(_escape(name) for name in properties) + ")$" if properties else None
+        others = [complement_pattern(source) for source in (*patterns, *([declared] if declared else []))]
+        if any(other is None for other in others):
+            return node
+        rest = intersect_patterns((names["pattern"], *(o for o in others if o is not False))) \
+            if all(o is not False for o in others) else False
+        if rest is None or rest in met:
+            return node
+        if rest is not False:
+            met[rest] = extra
+    node.pop("patternProperties", None)
+    del node["propertyNames"]
+    node.update(properties=kept, additionalProperties=False)
+    if met:
+        node["patternProperties"] = met
     return node
 
 
