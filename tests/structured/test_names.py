@@ -101,7 +101,7 @@ def test_a_repeated_name_counts_once(auto):
 
 @pytest.mark.parametrize("schema", [
     {"type": "object", "minProperties": 2, "propertyNames": {"maxLength": 1}},  # names may run out: not counted
-    {"anyOf": [{"type": "object", "minProperties": 2}, {"type": "object", "minProperties": 3}]},  # a branch decides
+    {"anyOf": [{"type": "object", "minProperties": 2}, {"type": "string"}]},  # a branch decides, not only objects
 ])
 def test_min_properties_the_counter_cannot_take_stays_refused_by_name(auto, schema):
     with pytest.raises(S.ConstraintError, match="minProperties"):
@@ -181,6 +181,10 @@ WHOLE = {
                                                           "ids": {"type": "array", "items": {"type": "string"}}}}]},
         [{"count": "x"}, {"ids": ["a"]}, {"ids": "x"}, {"id": "ab12", "count": None}],
         [{}, {"count": 1}, {"id": "ab12"}, {"ids": ["a"], "count": "x"}]),
+    # the algebra splits it into anyOf branches holding minProperties: those compiled without, the anyOf judged whole
+    "branches counting names": ({"type": "array", "items": {"type": "object", "oneOf": [{"required": ["a"]},
+                                                                                     {"minProperties": 2}]}},
+                                [[{"a": 1}, {"b": 1, "c": 1}]], [[{}], [{"a": 1, "b": 1}], [{"b": 1}]]),
 }
 
 
@@ -189,10 +193,13 @@ def test_one_of_over_objects_is_judged_whole_as_the_object_closes(auto, name):
     _check(auto, *WHOLE[name])
 
 
-def test_a_one_of_judged_whole_inside_a_branch_the_engine_picks_stays_refused(auto):
-    overlapping = WHOLE["overlapping object branches (MaskBench o9817's shape)"][0]
-    with pytest.raises(S.ConstraintError, match="oneOf"):
-        auto.compile(S.json_schema({"anyOf": [overlapping, {"type": "object", "required": ["z"]}]}, strict=False))
+@pytest.mark.parametrize("inner, keyword", [
+    (WHOLE["overlapping object branches (MaskBench o9817's shape)"][0], "oneOf"),
+    ({"type": "object", "oneOf": [{"required": ["a"]}, {"minProperties": 2}]}, "minProperties"),
+])
+def test_what_is_judged_whole_inside_a_branch_the_engine_picks_stays_refused(auto, inner, keyword):
+    with pytest.raises(S.ConstraintError, match=keyword):
+        auto.compile(S.json_schema({"anyOf": [inner, {"type": "string"}]}, strict=False))
 
 
 def test_a_walk_under_the_mask_closes_only_objects_one_branch_takes(auto):

@@ -29,7 +29,9 @@ member that breaks them: an existential the tracker checks member by member (``j
 (:meth:`Plan.exists`); the engine compiles the node as ``type: object`` in its place. A ``oneOf`` the
 algebra left (branches that overlap where no complement is written) on a node only objects satisfy is
 judged whole as the object closes (``jsonschema`` on its text: exactly one branch), the engine
-compiling it as ``anyOf``.
+compiling it as ``anyOf``. So is an ``anyOf`` on such a node whose branches hold what the tracker
+takes (``minProperties``, a ``not`` over members, such a ``oneOf``): a branch the engine picks cannot
+be followed, so the engine compiles those branches without it and the whole ``anyOf`` is judged.
 """
 from __future__ import annotations
 
@@ -50,15 +52,27 @@ COUNTED = ("minProperties",)  # what the name counter takes, per node (``Plan.co
 MEMBER_KEYWORDS = frozenset({"properties", "patternProperties", "additionalProperties"})
 
 
-def judged_whole(node: dict) -> bool:
-    """Whether ``node``'s ``oneOf`` may be judged on the whole object as it closes: only objects satisfy the
-    node (its type, or every branch's), and no ``anyOf`` beside it takes the engine's ``anyOf``."""
-    branches = node.get("oneOf")
-    if not isinstance(branches, list) or not branches or "anyOf" in node:
+def judged_whole(node: dict, keyword: str = "oneOf") -> bool:
+    """Whether ``node``'s ``oneOf`` (``keyword``) may be judged on the whole object as it closes: only objects
+    satisfy the node (its type, or every branch's), and no ``anyOf`` beside a ``oneOf`` takes its place."""
+    branches = node.get(keyword)
+    if not isinstance(branches, list) or not branches or ("anyOf" if keyword == "oneOf" else "oneOf") in node:
         return False
     objects = frozenset({"object"})
     return rewrite.declared_types(node) == objects or all(
         isinstance(b, dict) and rewrite.declared_types(b) == objects for b in branches)
+
+
+def _relaxed(schema) -> dict:
+    """id() of each ``anyOf`` node judged whole -> its branches the engine compiles without what the
+    tracker takes."""
+    judged = {}
+    for _, node in rewrite.walk(schema):
+        taken = [b for b in node.get("anyOf") or () if isinstance(b, dict) and (
+            counts_names(b) or existential(b) or judged_whole(b))] if isinstance(node.get("anyOf"), list) else []
+        if taken and judged_whole(node, "anyOf"):
+            judged[id(node)] = taken
+    return judged
 
 
 def existential(node: dict) -> bool:
@@ -107,8 +121,15 @@ class Plan:
         self.wholes: set[int] = set()  # id() of the nodes whose `oneOf` the tracker judges on the closed object
         self._exists: dict = {}
         self._least: dict = {}
+        self.any_wholes = _relaxed(schema)
+        self.relaxed = {id(b) for branches in self.any_wholes.values() for b in branches}
         self.root = self.shape(schema)
         self.untracked = self._check()
+        for parent, branches in self.any_wholes.items():  # the engine compiles a branch without what is judged whole
+            for node in branches if parent in self.wholes else ():
+                for taken, kind in ((self.counted, counts_names), (self.existing, existential), (self.wholes, judged_whole)):
+                    if kind(node) and id(node) not in self.any_wholes:
+                        taken.add(id(node))
         self.contained = any("contains" in node and id(node) in self.reached for node in self._nodes)
 
     @classmethod
@@ -248,7 +269,7 @@ class Plan:
     def _least_of(self, shape):
         if shape[0] == "node":
             node = self._nodes[shape[1]]
-            return node["minProperties"] if counts_names(node) else 0
+            return node["minProperties"] if self._kind(counts_names, node) else 0
         found = [self.min_properties(part) for part in shape[1]] or [0]
         if MIXED in found:
             return MIXED
@@ -264,7 +285,8 @@ class Plan:
         if shape not in self._exists:
             if shape[0] == "node":
                 node = self._nodes[shape[1]]
-                found = frozenset([("exists", shape[1])] * existential(node) + [("whole", shape[1])] * judged_whole(node))
+                found = frozenset([("exists", shape[1])] * self._kind(existential, node)
+                                  + [("whole", shape[1])] * (self._kind(judged_whole, node) or id(node) in self.any_wholes))
             else:
                 parts = [self.exists(part) for part in shape[1]] or [frozenset()]
                 found = MIXED if MIXED in parts else frozenset().union(*parts) if shape[0] == "and" else (
@@ -284,15 +306,21 @@ class Plan:
             self._judged[key] = not negated.is_valid({name: json.loads(text)})
         return self._judged[key]
 
+    def _kind(self, predicate, node: dict) -> bool:
+        """``predicate(node)`` where the tracker follows the node itself (not a branch a whole anyOf judges)."""
+        return id(node) not in self.relaxed and predicate(node)
+
     def whole(self, index: int, text: bytes) -> bool:
-        """Whether the object written ``text`` meets node ``index``'s ``oneOf`` (exactly one branch)."""
+        """Whether the object written ``text`` meets node ``index``'s ``oneOf`` (exactly one branch), or the
+        ``anyOf`` judged whole there."""
         key = ("oneOf", index, text)
         if key not in self._judged:
             if self._referee is None:
                 self._referee = keywords.validator(self.schema)
             if len(self._judged) > 4096:
                 self._judged.clear()
-            judged = self._referee.evolve(schema={"oneOf": self._nodes[index]["oneOf"]})
+            node = self._nodes[index]
+            judged = self._referee.evolve(schema={k: node[k] for k in ("oneOf", "anyOf") if k in node})
             self._judged[key] = judged.is_valid(json.loads(text))
         return self._judged[key]
 
@@ -331,10 +359,11 @@ class Plan:
             if shape == ANY:
                 continue
             self.reached.update(id(self._nodes[i]) for i in self._leaves(shape))
-            counting = {id(self._nodes[i]) for i in self._leaves(shape) if counts_names(self._nodes[i])}
+            counting = {id(self._nodes[i]) for i in self._leaves(shape) if self._kind(counts_names, self._nodes[i])}
             (mixed if self.min_properties(shape) == MIXED else self.counted).update(counting)
-            asking = {id(self._nodes[i]) for i in self._leaves(shape) if existential(self._nodes[i])}
-            judging = {id(self._nodes[i]) for i in self._leaves(shape) if judged_whole(self._nodes[i])}
+            asking = {id(self._nodes[i]) for i in self._leaves(shape) if self._kind(existential, self._nodes[i])}
+            judging = {id(self._nodes[i]) for i in self._leaves(shape)
+                       if self._kind(judged_whole, self._nodes[i]) or id(self._nodes[i]) in self.any_wholes}
             decided = self.exists(shape) != MIXED
             (self.existing if decided else mixed).update(asking)
             (self.wholes if decided else mixed).update(judging)

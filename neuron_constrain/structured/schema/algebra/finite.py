@@ -117,8 +117,9 @@ def closed_names(node: dict, path: str, judge):
     if names is None or not isinstance(properties, dict) or "unevaluatedProperties" in node:
         return node
     if node.get("additionalProperties") is not False or "patternProperties" in node:
-        if isinstance(names, dict) and set(names) <= {"pattern", "type"} and isinstance(names.get("pattern"), str) \
-                and names.get("type", "string") == "string":
+        beside = {"properties", "patternProperties", "additionalProperties"} & set(node)  # alone: xgrammar takes it
+        if beside and isinstance(names, dict) and set(names) <= {"pattern", "type"} \
+                and isinstance(names.get("pattern"), str) and names.get("type", "string") == "string":
             return pattern_names(node, names, properties, judge)
         return finite_names(node, names, properties, judge)
     try:
