@@ -353,7 +353,7 @@ class TrackerVocabulary:
             flags["reopen"][token] = re.search(rb"[\[{].*[\]}]", piece, re.DOTALL) is not None  # "{}", "[]", ...
         self.flags = flags
         self.size = size
-        self.reopen = np.flatnonzero(flags["reopen"]).tolist()
+        self.reopen = np.flatnonzero(flags["reopen"])
 
 
 @functools.lru_cache(maxsize=4)
@@ -383,8 +383,9 @@ class ItemTrackingMatcher:
         words = buffer[row].numpy().view(np.uint32)
         if not scan.watching():
             if self.plan.counted or self.plan.contained or self.plan.existing or self.plan.wholes:  # an object or array opened and closed in one token
-                for token in self.vocabulary.reopen:
-                    if words[token >> 5] >> (token & 31) & 1 and scan.fed(self.vocabulary.pieces[token]) is None:
+                reopen = self.vocabulary.reopen
+                for token in reopen[(words[reopen >> 5] >> (reopen & 31).astype(np.uint32)) & 1 == 1].tolist():
+                    if scan.fed(self.vocabulary.pieces[token]) is None:
                         words[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))
             return result
         allowed = _allowed(words, self.vocabulary.size)
