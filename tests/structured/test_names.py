@@ -165,6 +165,15 @@ def test_an_existential_a_branch_decides_stays_refused_by_name(auto):
         auto.compile(S.json_schema(schema, strict=False))
 
 
+def test_an_existential_over_names_that_run_out_stays_refused(auto):
+    """A closed object whose declared names may all be written (or skipped) before the one the `not`
+    asks for: a refused brace could leave no way on (found by random walks), so it is the engines'."""
+    schema = {"additionalProperties": False, "properties": {"a": {}, "b": {}},
+              "not": {"patternProperties": {"^a": {"type": "integer"}}}}
+    with pytest.raises(S.ConstraintError, match="not"):
+        auto.compile(S.json_schema(schema, strict=False))
+
+
 def test_a_walk_under_the_mask_closes_an_object_only_once_a_member_breaks_the_not(auto):
     """Never a dead end while the object may take members; every finished output valid."""
     schema = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},

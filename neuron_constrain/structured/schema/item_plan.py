@@ -75,6 +75,12 @@ def _relaxed(schema) -> dict:
     return judged
 
 
+def _extendable(node: dict) -> bool:
+    """Whether an object under ``node`` may take names without end (declared names alone run out)."""
+    return (node.get("additionalProperties") is not False or bool(node.get("patternProperties"))) \
+        and "maxProperties" not in node and "propertyNames" not in node
+
+
 def existential(node: dict) -> bool:
     """Whether ``node``'s ``not`` is over member keywords alone (some member must break them; beside them a
     ``type: object``, which only lets non-objects through as well), on a node that may be an object."""
@@ -279,7 +285,8 @@ class Plan:
 
     def exists(self, shape):
         """What an object at ``shape`` is judged by: ``("exists", i)``, node ``i``'s existential ``not``;
-        ``("whole", i)``, node ``i``'s ``oneOf`` on the closed object (MIXED: a branch decides)."""
+        ``("whole", i)``, node ``i``'s ``oneOf`` on the closed object (MIXED: a branch decides, or the
+        object's names may run out, so that a refused brace could leave no way on)."""
         if shape == ANY:
             return frozenset()
         if shape not in self._exists:
@@ -291,6 +298,9 @@ class Plan:
                 parts = [self.exists(part) for part in shape[1]] or [frozenset()]
                 found = MIXED if MIXED in parts else frozenset().union(*parts) if shape[0] == "and" else (
                     parts[0] if all(p == parts[0] for p in parts) else MIXED)
+            if found and found != MIXED and shape[0] != "or" and not all(
+                    _extendable(self._nodes[i]) for i in self._conjuncts(shape)):
+                found = MIXED  # names run out (a closed object): a refused brace could leave no way on
             self._exists[shape] = found
         return self._exists[shape]
 
@@ -379,6 +389,16 @@ class Plan:
         self.existing -= mixed
         self.wholes -= mixed
         return None
+
+    def _conjuncts(self, shape):
+        """The nodes every value at ``shape`` meets (not those of one branch)."""
+        if shape == ANY or shape[0] == "or":
+            return
+        if shape[0] == "node":
+            yield shape[1]
+            return
+        for part in shape[1]:
+            yield from self._conjuncts(part)
 
     def _leaves(self, shape):
         if shape == ANY:
