@@ -20,7 +20,9 @@ from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.schema import algebra
 from neuron_constrain.testing import force, toy_tokenizer
+from neuron_constrain.structured.schema.keywords import post_validate
 from neuron_constrain.testing.algebra_schemas import meaning_changes
+from neuron_constrain.testing.schemas import schema_and_instances
 from tests.conftest import examples
 
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
@@ -250,3 +252,28 @@ _ARRAYS = st.lists(st.lists(st.sampled_from(("a", "b", 1, 2, None, "c")), max_si
 def test_empty_overlap_keeps_the_meaning(branches, typed, unevaluated, instances):
     schema = {**typed, "oneOf": branches, **({} if unevaluated is None else {"unevaluatedItems": unevaluated})}
     assert not meaning_changes(schema, [*instances, [], {}, "", 1]), json.dumps(schema)
+
+
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=schema_and_instances("existentials"), seed=st.integers(0, 99))
+def test_random_walks_under_the_mask_write_only_valid_objects(auto, case, seed):
+    """Of the soundness region's schemas auto compiles: every token the mask allows is accepted, and every
+    walk that finishes wrote a value jsonschema takes (the tracker's checks hold token by token)."""
+    schema = case[0]
+    try:
+        compiled = auto.compile(S.json_schema(schema, strict=False, whitespace="none"))
+    except S.ConstraintError:
+        return
+    rng, buffer = random.Random(seed), torch.zeros((1, auto.width), dtype=torch.int32)
+    for _ in range(3):
+        matcher, tokens = auto.matcher(compiled), []
+        while not matcher.is_terminated() and len(tokens) < 60:
+            assert auto.batch_fill([matcher], buffer, [0]) == []
+            bits = torch.nonzero(_unpacked(buffer[0], auto.vocab_size)).flatten().tolist()
+            if not bits:
+                break
+            token = rng.choice(bits)
+            assert matcher.accept_token(token), (json.dumps(schema), auto.tokenizer.decode(tokens + [token]))
+            tokens.append(token)
+        if matcher.is_terminated():
+            assert post_validate(schema, auto.tokenizer.decode(tokens[:-1])) is None, json.dumps(schema)
