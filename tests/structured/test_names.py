@@ -277,3 +277,17 @@ def test_random_walks_under_the_mask_write_only_valid_objects(auto, case, seed):
             tokens.append(token)
         if matcher.is_terminated():
             assert post_validate(schema, auto.tokenizer.decode(tokens[:-1])) is None, json.dumps(schema)
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"type": "object", "minProperties": 2}, "{}"),
+    ({"type": "array", "contains": {"type": "string"}}, "[]"),  # the same hole for contains, before any item
+])
+def test_a_token_opening_and_closing_a_tracked_value_at_once_is_masked(auto, schema, text):
+    """Found by a random walk: the mask allowed "{}" (a whole object in one token) that accept_token refused."""
+    compiled = auto.compile(S.json_schema(schema, strict=False, whitespace="none"))
+    token = auto.tokenizer.encode(text)
+    assert len(token) == 1, text
+    matcher, buffer = auto.matcher(compiled), torch.zeros((1, auto.width), dtype=torch.int32)
+    assert auto.batch_fill([matcher], buffer, [0]) == []
+    assert not _unpacked(buffer[0], auto.vocab_size)[token[0]] and not matcher.accept_token(token[0])
