@@ -13,7 +13,9 @@ overlap or not), ``contains`` (contains/minContains/maxContains with items, pref
 ``dynamic`` ($dynamicRef scopes), ``unique`` (uniqueItems over finite item domains, and unbounded ones
 the host's tracker takes), ``dialects``
 (draft-4/6/7/2019-09 spellings), ``finite`` (keywords beside a finite enum), ``conjunction`` (allOf
-branches sharing keywords, overlapping patternProperties, min/maxProperties). Instances are drawn from a
+branches sharing keywords, overlapping patternProperties, min/maxProperties), ``property_names``
+(``propertyNames`` taking finitely many names, or none, beside properties, patternProperties and
+additionalProperties). Instances are drawn from a
 small domain around the schemas' own names and literals, so about half are invalid.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ SCALARS = (None, True, False, -1, 0, 1, 2, 3, 1.5, "", "a", "b", "ab", "ba", "a\
 # patterns a complement or an intersection is made of (regular.py): anchors, sets, counts, a shorthand class
 PATTERNS = ("^a", "b$", "^a.?b$", "[ab]{2}", "^$", "\\d", "^(ab|b)*$", "^[^\\d]$")
 REGIONS = ("dependent", "conditional", "negation", "one_of", "contains", "unevaluated", "dynamic", "unique",
-           "dialects", "finite", "conjunction")
+           "dialects", "finite", "conjunction", "property_names")
 
 
 def _either(*strategies):
@@ -181,9 +183,22 @@ def _conjunction():
     return st.tuples(node, st.lists(node, max_size=3)).map(lambda p: {**p[0], **({"allOf": p[1]} if p[1] else {})})
 
 
+def _property_names():
+    names = st.one_of(st.just(False), st.lists(st.sampled_from((*KEYS, "ab", "ba")), min_size=1, max_size=3, unique=True).map(
+        lambda ns: {"enum": ns}), st.sampled_from(KEYS).map(lambda n: {"const": n}),
+        st.sampled_from(({"type": "integer"}, {"maxLength": 1}, {"pattern": "^a"}, {"enum": ["a", 1]})))
+    node = st.fixed_dictionaries({"propertyNames": names}, optional={
+        "type": st.just("object"), "required": NAMES,
+        "properties": st.dictionaries(st.sampled_from(KEYS), LEAF, min_size=1, max_size=2),
+        "patternProperties": st.dictionaries(st.sampled_from(PATTERNS), LEAF, min_size=1, max_size=2),
+        "additionalProperties": _either(st.just(False), LEAF)})
+    return node
+
+
 _BUILD = {"dependent": _dependent, "conditional": _conditional, "negation": _negation, "one_of": _one_of,
           "contains": _contains, "unevaluated": _unevaluated, "dynamic": _dynamic, "unique": _unique,
-          "dialects": _dialects, "finite": _finite, "conjunction": _conjunction}
+          "dialects": _dialects, "finite": _finite, "conjunction": _conjunction,
+          "property_names": _property_names}
 
 
 def algebra_case(region: str, *, count: int = 12):

@@ -11,7 +11,9 @@ random instances, each engine against ``jsonschema``.
 typed assertions, untyped assertions, combinators, references local and not, arrays and
 objects with the applicators engines tend to drop; patterns drawn from a regex grammar covering
 the features of ``structured/schema/patterns.py``; combinator branches that carry one half of an
-adjacency unit; property names JSON writes with escapes; formats) and instances from a small
+adjacency unit; property names JSON writes with escapes; formats; counts and existentials over an
+object's names: ``minProperties``/``maxProperties`` on open objects, ``propertyNames``, ``not`` over
+object subschemas, overlapping ``oneOf``, ``dependent*``, ``unevaluated*``) and instances from a small
 domain that straddles the schema's limits (so about half are invalid). ``differential`` compiles the schema
 with the default policy (``json_schema(schema, strict=False)``: JSON Schema's own semantics)
 and teacher-forces every instance, written as ``json.dumps`` writes it (the ``compact``
@@ -36,7 +38,7 @@ from neuron_constrain.structured.schema.keywords import post_validate
 from neuron_constrain.testing.vocabulary import force
 
 REGIONS = ("typed", "untyped", "combinators", "references", "applicators", "patterns", "adjacency", "names",
-           "formats")
+           "formats", "existentials")
 TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
 KEYS = ("a", "b", "c")
 STRINGS = ("", "a", "ab", "abc", "ba", "a1", "Zz", "2024-01-02", "x@y.z", "a\nb")
@@ -303,8 +305,37 @@ def _format_case():
         lambda p: ({"type": "string", "format": p[0]}, p[1]))
 
 
+_OBJECT_VALUES = ({}, {"a": 1}, {"b": "x"}, {"a": 1, "b": "x"}, {"a": "x", "b": 1}, {"a": 1, "b": 2, "c": None},
+                  {"ab": [1], "c": {}}, {"c": 1}, {"x1": 1, "x2": 2, "y": None}, {"a": {"a": 1, "b": 2}, "b": [{}]},
+                  {"a": {}, "c": 3}, [{"a": 1, "b": 2}], [{"a": 1}, {}], [], "ab", 1, None)
+_OBJECT_KEYWORDS = st.sampled_from((
+    {"minProperties": 2}, {"minProperties": 3}, {"maxProperties": 1}, {"propertyNames": False},
+    {"propertyNames": {"enum": ["a", "c"]}}, {"propertyNames": {"maxLength": 1}}, {"propertyNames": {"pattern": "^[ab]"}},
+    {"patternProperties": {"^x": {"type": "integer"}}}, {"patternProperties": {"b": {"type": "string"}}},
+    {"not": {"patternProperties": {"^a": {"type": "integer"}}}}, {"not": {"properties": {"a": {"type": "integer"}}}},
+    {"not": {"required": ["a"]}}, {"dependentRequired": {"a": ["b"]}}, {"dependentSchemas": {"a": {"required": ["c"]}}},
+    {"oneOf": [{"required": ["a"]}, {"minProperties": 2}]}, {"oneOf": [{"properties": {"a": {"type": "integer"}}},
+                                                                       {"properties": {"a": {"type": "string"}}}]},
+    {"anyOf": [{"required": ["b"]}, {"properties": {"a": {"const": 1}}}], "unevaluatedProperties": False},
+    {"allOf": [{"properties": {"a": {}}}], "unevaluatedProperties": {"type": "integer"}},
+    {"additionalProperties": False, "properties": {"a": {}, "b": {}}}, {"additionalProperties": {"type": "integer"}},
+    {"properties": {"a": {"type": "integer"}}}, {"required": ["a"]}))
+
+
+def _existentials_case():
+    def build(picked):
+        parts, typed, nested = picked
+        node = {"type": "object"} if typed else {}
+        for part in parts:
+            node.update(part)
+        return {"type": "array", "items": node, "maxItems": 2} if nested else node
+    schema = st.tuples(st.lists(_OBJECT_KEYWORDS, min_size=1, max_size=3), st.booleans(),
+                       st.sampled_from((False, False, True))).map(build)
+    return st.tuples(schema, st.lists(st.sampled_from(_OBJECT_VALUES), min_size=8, max_size=8, unique_by=json.dumps))
+
+
 _CASES = {"patterns": lambda: PATTERNS_DRAWN.flatmap(_pattern_case), "adjacency": _adjacent_case,
-          "names": _names_case, "formats": _format_case}
+          "names": _names_case, "formats": _format_case, "existentials": _existentials_case}
 
 
 def schemas(region: str):

@@ -240,7 +240,7 @@ def maskbench(tekken, engines):
 
 # Measured on the vendored sample (70 schemas; Tekken; llguidance 1.9.1, xgrammar 0.2.8, default policy):
 # schemas that compile. A drop is a regression; a rise means the table is stale: update it.
-COMPILED = {"llguidance": 68, "xgrammar": 64}  # 59 and 55 before the schema algebra
+COMPILED = {"llguidance": 69, "xgrammar": 64}  # 59 and 55 before the schema algebra; llguidance 68 before o9817's oneOf
 
 
 @pytest.mark.parametrize("engine", E.ENGINES)
@@ -271,4 +271,4 @@ def test_the_sample_exercises_the_table(maskbench):
     """The vendored sample holds the measured evidence: xgrammar's refusals catch real invalid instances."""
     refused = [r for r in maskbench["xgrammar"] if r["status"] == "refused"]
     assert sum(r["invalid_accepted"] for r in refused) >= 2, refused
-    assert any(r["status"] == "refused" for r in maskbench["llguidance"])
+    assert any(r["status"] != "compiled" for r in maskbench["llguidance"])  # refused or failed (pp3: its regexes)

@@ -349,3 +349,11 @@ def test_formats_as_patterns_compile_and_enforce_on_xgrammar(toy_engines):
     verdict = differential(xgrammar, email, [{"to": "a.b@example.com"}, {"to": "a@b@c"}, {"to": "nobody"}])
     assert not verdict.unsound and verdict.accepted_valid == 1 and verdict.over_restricted == ['{"to": "a@b@c"}']
     assert toy_engines["auto"].compile(S.json_schema(email)).engine == "llguidance"
+
+
+@SETTINGS
+@example(case=({"type": "object", "minProperties": 2}, [{}, {"a": 1}, {"a": 1, "b": 2}]))  # counted on the host
+@example(case=({"type": "object", "propertyNames": False, "properties": {"a": {}}}, [{}, {"a": 1}]))
+@given(case=schema_and_instances("existentials"))
+def test_counts_and_existentials_over_names_never_accept_an_invalid_instance(toy_engines, case):
+    _judge(toy_engines, case)

@@ -11,7 +11,7 @@
 | ``xgrammar/`` | xgrammar (``engine.py``); its grammars (``grammars.py``), worker processes, fill threads |
 | ``llguidance/`` | llguidance, its matcher adapted to the contract (``engine.py``); ``tokenizer.py``, ``ebnf_to_lark.py`` |
 | ``auto.py``, ``race.py`` | xgrammar where it enforces the whole constraint, llguidance for the rest; where both are exact, the race |
-| ``item_tracker.py`` | ``uniqueItems``/``contains`` enforced on the host, in front of an engine's matcher |
+| ``item_tracker.py`` | ``uniqueItems``/``contains``, and ``minProperties`` on open objects, ``not`` over members, enforced on the host, in front of an engine's matcher |
 
 Both engines write the same packed rows the graph's ``logit_mask`` takes, for every
 constraint kind: JSON schema, any JSON, regex, choice and EBNF (xgrammar's dialect;

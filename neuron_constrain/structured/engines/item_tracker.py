@@ -15,7 +15,8 @@ first quote). One step ahead, a token after which the item equals an earlier one
 allows nothing but its end is cleared too (a string at its ``maxLength``, a number no digit may
 follow, a literal's forced letters), and so is one after which a full array could only close with
 its ``contains`` unmet. A dead end deeper than that fails the request; it never writes an invalid
-array.
+array. Objects whose ``minProperties`` the plan counts (``Plan.min_properties``: open ones) note each
+distinct name as its key closes, and their closing brace is refused until there are enough.
 """
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ def _read(text: bytes):
 
 
 # --------------------------------------------------------------------------- the output, read as JSON
+def _least(frame) -> int:
+    """The distinct names an object frame must reach (0: none counted)."""
+    return next((n for kind, n in frame[2] if kind == "least"), 0)
+
+
+def _asked(checks) -> list:
+    """The node indices of an object frame's existential checks, in a fixed order (its met sets' order)."""
+    return sorted(i for kind, i in checks if kind == "exists")
+
+
 def _contained(frame) -> list:
     """The node indices of a frame's ``contains`` checks, in a fixed order (its counts' order)."""
     return sorted(c for c in frame[2] if c != "unique")
@@ -87,8 +98,9 @@ class Scan:
         return new
 
     def watching(self) -> bool:
-        """Whether some tracked array has an earlier item an item may now equal, or a `contains` to meet."""
-        return any(frame[2] and (frame[3] or frame[8]) for frame in self.stack)
+        """Whether some tracked array has an earlier item an item may now equal, or a `contains` to meet, or
+        an object its names are counted for is open."""
+        return any(frame[2] and (frame[3] or frame[8] or not frame[0]) for frame in self.stack)
 
     def fed(self, data: bytes) -> "Scan | None":
         """The state after ``data``; None if it completes an item its array may not take (a duplicate, one
@@ -120,7 +132,8 @@ class Scan:
                     self.key = False
                     frame = self.stack[-1]
                     name = json.loads(b'"' + bytes(self.text[start:pos]) + b'"')
-                    self.stack = (*self.stack[:-1], (*frame[:6], name, False, frame[8]))
+                    names = frame[3] | {name} if frame[2] else frame[3]  # counted objects: the distinct names
+                    self.stack = (*self.stack[:-1], (*frame[:3], names, *frame[4:6], name, False, frame[8]))
                     return True
                 return self._end(pos + 1)
             return True
@@ -144,8 +157,12 @@ class Scan:
             return True
         if byte in b"]}":
             frame = self.stack[-1]
-            if frame[8] and any(count < self.plan.contains(i)[1] for i, count in zip(_contained(frame), frame[8])):
+            if frame[0] and frame[8] and any(count < self.plan.contains(i)[1]
+                                             for i, count in zip(_contained(frame), frame[8])):
                 return False  # closed with too few items its `contains` takes
+            if not frame[0] and frame[2] and (len(frame[3]) < _least(frame) or not all(frame[8])
+                                              or not self._whole(frame, pos)):
+                return False  # fewer distinct names than its minProperties, no member its `not` asks for, not one oneOf branch
             self.stack = self.stack[:-1]
             return self._end(pos + 1)
         if byte == 0x22 and self.stack and not self.stack[-1][0] and self.stack[-1][7]:
@@ -154,8 +171,9 @@ class Scan:
         shape = self._start(pos)
         if byte in b"[{":
             is_array = byte == 0x5B
-            checks = self.plan.tracked(shape) if is_array else frozenset()
-            counts = (0,) * sum(1 for c in checks if c != "unique")
+            checks = self.plan.tracked(shape) if is_array else self._object_checks(shape, pos)
+            counts = (0,) * sum(1 for c in checks if c != "unique") if is_array else (
+                (frozenset(),) * len(_asked(checks)))
             self.stack = (*self.stack, (is_array, shape, checks, frozenset(), -1, 0, None, not is_array, counts))
         elif byte == 0x22:
             self.string = pos + 1
@@ -164,6 +182,21 @@ class Scan:
         else:
             self.scalar = pos
         return True
+
+    def _object_checks(self, shape, pos: int) -> frozenset:
+        """What an object at ``shape`` opened at ``pos`` must meet: ``("least", n)`` distinct names, ``("exists",
+        i)`` a member breaking node ``i``'s ``not``, ``("whole", i)`` node ``i``'s ``oneOf`` on its text from
+        ``("from", pos)`` (a branch decides: nothing here, the engine refused it)."""
+        least, asked = self.plan.min_properties(shape), self.plan.exists(shape)
+        asked = sorted(asked) if isinstance(asked, frozenset) else []
+        return frozenset(([("least", least)] if isinstance(least, int) and least > 0 else []) + asked
+                         + [("from", pos)] * any(kind == "whole" for kind, _ in asked))
+
+    def _whole(self, frame, pos: int) -> bool:
+        """Whether the object closing at ``pos`` meets each ``oneOf`` judged on it whole."""
+        start = next((p for kind, p in frame[2] if kind == "from"), None)
+        return start is None or all(self.plan.whole(i, bytes(self.text[start:pos + 1]))
+                                    for kind, i in frame[2] if kind == "whole")
 
     def _start(self, pos: int) -> frozenset:
         """A value starts at ``pos``: its shape (and, in a tracked array, where the item starts)."""
@@ -175,6 +208,8 @@ class Scan:
                 self.stack = (*self.stack[:-1], (*frame[:4], pos, *frame[5:]))
             return self.plan.item(frame[1], frame[5])
         name = frame[6]
+        if frame[8]:  # a member an existential judges: where its value starts
+            self.stack = (*self.stack[:-1], (*frame[:4], pos, *frame[5:]))
         return self.plan.member(frame[1], name if name in self.plan.names(frame[1]) else OTHER)
 
     def _end(self, end: int) -> bool:
@@ -183,6 +218,12 @@ class Scan:
         if not self.stack:
             return True
         frame = self.stack[-1]
+        if not frame[0] and frame[8] and frame[4] >= 0:  # a member's value: the names whose last value breaks a `not`
+            text, name = bytes(self.text[frame[4]:end]), frame[6]
+            met = tuple(m | {name} if self.plan.breaks(i, name, text) else m - {name}
+                        for i, m in zip(_asked(frame[2]), frame[8]))
+            self.stack = (*self.stack[:-1], (*frame[:4], -1, *frame[5:8], met))
+            return True
         if not (frame[0] and frame[2] and frame[4] >= 0):
             return True
         text = bytes(self.text[frame[4]:end])
@@ -280,7 +321,8 @@ class TrackerVocabulary:
         self.opening: dict[bytes, list[int]] = collections.defaultdict(list)  # '"' + text, no quote or escape after
         self.whole: dict[bytes, int] = {}
         flags = {name: np.zeros(size, dtype=bool) for name in (
-            "quote", "slow_quote", "close", "number_end", "between", "starts_quote", "starts_end", "starts_close")}
+            "quote", "slow_quote", "close", "number_end", "between", "starts_quote", "starts_end", "starts_close",
+            "reopen")}
         numberish = re.compile(rb"^[-0-9.eE+]+$")
         complete_number = re.compile(rb"[0-9][,\]}\s]")
         for token, piece in enumerate(self.pieces):
@@ -308,8 +350,10 @@ class TrackerVocabulary:
             flags["starts_quote"][token] = piece[:1] == b'"'
             flags["starts_end"][token] = piece[:1] in (b",", b"]", b"}", b" ", b"\t", b"\n", b"\r")
             flags["starts_close"][token] = bare[:1] == b"]"
+            flags["reopen"][token] = re.search(rb"[\[{].*[\]}]", piece, re.DOTALL) is not None  # "{}", "[]", ...
         self.flags = flags
         self.size = size
+        self.reopen = np.flatnonzero(flags["reopen"])
 
 
 @functools.lru_cache(maxsize=4)
@@ -336,9 +380,14 @@ class ItemTrackingMatcher:
     def fill_next_token_bitmask(self, buffer: torch.Tensor, row: int = 0) -> bool:
         result = self.grammar.fill_next_token_bitmask(buffer, row)
         scan = self.scan
-        if not scan.watching():
-            return result
         words = buffer[row].numpy().view(np.uint32)
+        if not scan.watching():
+            if self.plan.counted or self.plan.contained or self.plan.existing or self.plan.wholes:  # an object or array opened and closed in one token
+                reopen = self.vocabulary.reopen
+                for token in reopen[(words[reopen >> 5] >> (reopen & 31).astype(np.uint32)) & 1 == 1].tolist():
+                    if scan.fed(self.vocabulary.pieces[token]) is None:
+                        words[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))
+            return result
         allowed = _allowed(words, self.vocabulary.size)
         for token in self._refused(scan, allowed):
             words[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))
@@ -373,7 +422,8 @@ class ItemTrackingMatcher:
             for value in (v[1].encode("utf-8", "surrogatepass") for v in top[3] if v[0] == "s"):
                 for token in vocabulary.opening.get(value, ()):
                     candidates[token] = allowed[token]
-        if any(frame[2] and (frame[3] or frame[8]) for frame in scan.stack[:-1]) or (top_tracked and top[8]):
+        if any(frame[2] and (frame[3] or frame[8]) for frame in scan.stack[:-1]) or (top_tracked and top[8]) \
+                or (top is not None and not top[0] and top[2]):
             candidates |= allowed & flags["close"]  # an outer item ends at a bracket; an unmet contains may not close
         full = self.plan.max_items(top[1]) if top_tracked and top[8] else None
         for token in np.flatnonzero(candidates).tolist():

@@ -290,7 +290,7 @@ def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
                 continue
             why = lists.why_not(keyword, node, schema)
             if why is not None and tracker is not None and keyword in tracker.KEYWORDS:
-                if tracker.takes(node):
+                if tracker.takes(node, keyword):
                     continue  # the host's tracker enforces it (item_plan.py)
                 if tracker.untracked is not None:
                     why = f"{why}; the host's tracker neither: {tracker.untracked}"
@@ -313,10 +313,11 @@ def find(schema: dict, engine, tracker=None) -> list[Unenforced]:
 
 
 def _judged(schema: dict, tracker) -> list[str]:
-    """The pointers of the ``contains`` subschemas the tracker judges itself (none without a tracker)."""
+    """The pointers of the ``contains`` (and existential ``not``) subschemas the tracker judges itself."""
     if tracker is None:
         return []
-    return [f"{path}/contains" for path, node in walk(schema) if "contains" in node and tracker.takes(node)]
+    return [f"{path}/{k}" for path, node in walk(schema) for k in ("contains", "not") if k in node
+            and tracker.takes(node, None if k == "contains" else k)]
 
 
 # --------------------------------------------------------------------------- patterns

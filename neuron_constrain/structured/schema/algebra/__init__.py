@@ -19,7 +19,7 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
                           (a pattern's: regular.py, through automata)
       finite              contains/minContains/maxContains -> lengths or positions; uniqueItems over
                           finite item domains -> the enum of the arrays; propertyNames of a closed
-                          object -> the declared names it takes
+                          object -> the declared names it takes; finitely many names -> closed on them
       pattern_names       overlapping patternProperties -> one disjoint pattern per set of them
 
 Every rewrite keeps the set of valid values exactly (``tests/structured/test_schema_algebra.py`` checks it
@@ -49,10 +49,13 @@ REWRITES = {
     "if": "`anyOf` of (`if` and `then`), (not `if` and `else`) where not `if` has a positive form "
           "(decided by type, `required`, `const`/`enum`, single bounds)",
     "not": "its positive complement, over type, `const`, `enum`, `required`, single bounds, `pattern` (the "
-           "complement of its language, through automata)",
+           "complement of its language, through automata); over member keywords alone: a member that breaks "
+           "them, checked on the host by the library's item tracker, where the schema fixes which objects need it",
     "oneOf": "`anyOf` where the branches are proven disjoint (types, `required` against closed "
-             "objects, discriminating `const`s), else of each branch and the others' complements "
-             "(a finite branch: its values the others refuse)",
+             "objects, discriminating `const`s; but for `[]`, `{}`, `\"\"`, then excluded where two accept them), "
+             "else of each branch and the others' complements "
+             "(a finite branch: its values the others refuse); else, over objects, `anyOf` judged whole on the host "
+             "by the library's item tracker as the object closes",
     "contains": "lengths or first-match positions, where the contained schema and the items partition the items; "
                 "else counted on the host by the item tracker (each item judged by `jsonschema`), where the schema "
                 "fixes which arrays need it",
@@ -60,10 +63,14 @@ REWRITES = {
     "maxContains": "with `contains`",
     "uniqueItems": "over finite item domains: the `enum` of the arrays; else enforced on the host by the library's "
                    "item tracker, where the schema fixes which arrays need it (not a branch the engine picks)",
+    "minProperties": "above 1 on an open object: counted on the host by the library's item tracker (distinct "
+                     "names), where the schema fixes which objects need it",
     "allOf": "its plain branches merged into the node (patterns intersected, bounds tightened, properties met "
              "name by name)",
     "patternProperties": "overlapping patterns: one disjoint pattern per set of them, its schemas met",
-    "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped",
+    "propertyNames": "beside `additionalProperties: false`: the declared names it refuses removed, then dropped; "
+                     "taking finitely many names (`false`, `enum`, `const`): the object closed on them; a `pattern` "
+                     "alone: each `patternProperties` pattern met with it, the additional names one pattern more",
     "unevaluatedProperties": "`additionalProperties` per case, where the applicators fix what is evaluated",
     "unevaluatedItems": "`items` per case, where the applicators fix what is evaluated",
     "$dynamicRef": "`$ref` per dynamic scope, where the document fixes it",

@@ -22,7 +22,7 @@ from __future__ import annotations
 from neuron_constrain.structured.schema import rewrite as rewrite
 from neuron_constrain.structured.schema.algebra import logic
 from neuron_constrain.structured.schema.algebra.caps import over
-from neuron_constrain.structured.schema.algebra.disjoint import disjoint, finite_values
+from neuron_constrain.structured.schema.algebra.disjoint import apart_beyond_empty, disjoint, empty_overlap, finite_values
 from neuron_constrain.structured.schema.algebra.logic import is_true, join, meet
 from neuron_constrain.structured.schema.algebra.negation import complement
 
@@ -148,6 +148,9 @@ def one_of(node: dict, path: str, judge):
     within = logic.atoms({k: v for k, v in node.items() if k in ("type", "enum", "const")})
     overlapping = {(i, j) for i in range(len(branches)) for j in range(len(branches))
                    if i != j and not disjoint(branches[i], branches[j], judge, within)}
+    emptied = empty_overlap(branches, judge, within) if overlapping else {}
+    if emptied is not None and emptied:  # branches that overlap only on [], {}, "": those values excluded
+        overlapping = {(i, j) for i, j in overlapping if not apart_beyond_empty(branches[i], branches[j], judge, within)}
     cases = []
     for i, branch in enumerate(branches):
         others = [branches[j] for j in range(len(branches)) if (i, j) in overlapping]
@@ -162,7 +165,8 @@ def one_of(node: dict, path: str, judge):
         cases.append(case)
     over("branches", len(cases))
     del node["oneOf"]
-    return attach(node, join(cases))
+    node = attach(node, emptied) if emptied else node
+    return node if node is False else attach(node, join(cases))
 
 
 def _finite_case(branch, others: list, judge):

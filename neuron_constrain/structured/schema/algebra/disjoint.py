@@ -9,6 +9,13 @@ conjunct of one side (``allOf`` branch, ``$ref`` target) is disjoint from the ot
 (strings, arrays, objects), an array position both must have with disjoint item schemas, or a
 property one side requires whose schemas on the two sides are disjoint (``required`` against
 ``additionalProperties: false``, discriminator ``const`` values).
+
+    apart_beyond_empty(a, b, judge, within)   # disjoint but for the empty array, object and string
+    empty_overlap(branches, judge)            # those several branches accept: keywords that exclude them
+
+Branches that differ from their first item or member on may still all accept the empty value
+(``prefixItems`` asks nothing of ``[]``): a finite overlap, enumerated and excluded by ``minItems``,
+``minProperties``, ``minLength`` 1 (each asks nothing of the other types).
 """
 from __future__ import annotations
 
@@ -43,6 +50,24 @@ def disjoint(a, b, judge, within=ATOMS, depth: int = 0) -> bool:
             pass
     proofs = {"integer": _numbers, "fraction": _numbers, "string": _strings, "array": _arrays, "object": _objects}
     return all(atom in proofs and proofs[atom](a, b, judge, within, depth) for atom in shared)
+
+
+EMPTY = (([], "minItems"), ({}, "minProperties"), ("", "minLength"))
+
+
+def apart_beyond_empty(a, b, judge, within=ATOMS) -> bool:
+    """Whether no value but ``[]``, ``{}`` or ``""`` is valid under both (proven as :func:`disjoint`)."""
+    return disjoint(meet(a, {keyword: 1 for value, keyword in EMPTY if value_atom(value) in within}), b, judge, within)
+
+
+def empty_overlap(branches: list, judge, within=ATOMS) -> dict | None:
+    """The keywords excluding each empty value (of a type ``within``) two ``branches`` or more accept (``{}``:
+    none; None: unjudged)."""
+    try:
+        return {keyword: 1 for value, keyword in EMPTY
+                if value_atom(value) in within and sum(judge.valid(b, value) for b in branches) > 1}
+    except judge.Unjudged:
+        return None
 
 
 def finite_values(node) -> list | None:

@@ -26,7 +26,8 @@ from neuron_constrain.structured.schema.algebra.caps import CAPS, over
 from neuron_constrain.structured.schema.algebra.conditionals import attach, stuck
 from neuron_constrain.structured.schema.algebra.disjoint import disjoint, finite_values
 from neuron_constrain.structured.schema.algebra.logic import join, meet
-from neuron_constrain.structured.schema.algebra.negation import complement
+from neuron_constrain.structured.schema.algebra.negation import _escape, complement
+from neuron_constrain.structured.schema.algebra.regular import complement_pattern, intersect_patterns
 
 _SMALL_RANGE = 16
 
@@ -108,11 +109,19 @@ def closed_names(node: dict, path: str, judge):
     """``propertyNames`` of a closed object (``additionalProperties: false``, no ``patternProperties``):
     every key is a declared property, so the names are judged here, once: those ``propertyNames``
     refuses leave ``properties`` (absent is forbidden there), and the keyword goes. A refused name that
-    is ``required`` leaves the node as it is (no object is valid; the engines' policies decide)."""
+    is ``required`` leaves the node as it is (no object is valid; the engines' policies decide).
+    ``propertyNames`` taking finitely many names (``false``, an ``enum``/``const``, no string type)
+    closes an open object on them (:func:`finite_names`); a ``pattern`` alone, on patterns
+    (:func:`pattern_names`)."""
     names, properties = node.get("propertyNames"), node.get("properties", {})
-    if names is None or node.get("additionalProperties") is not False or "patternProperties" in node \
-            or not isinstance(properties, dict):
+    if names is None or not isinstance(properties, dict) or "unevaluatedProperties" in node:
         return node
+    if node.get("additionalProperties") is not False or "patternProperties" in node:
+        beside = {"properties", "patternProperties", "additionalProperties"} & set(node)  # alone: xgrammar takes it
+        if beside and isinstance(names, dict) and set(names) <= {"pattern", "type"} \
+                and isinstance(names.get("pattern"), str) and names.get("type", "string") == "string":
+            return pattern_names(node, names, properties, judge)
+        return finite_names(node, names, properties, judge)
     try:
         refused = {name for name in properties if not judge.valid(names, name)}
     except judge.Unjudged:
@@ -123,6 +132,96 @@ def closed_names(node: dict, path: str, judge):
     node["properties"] = {name: sub for name, sub in properties.items() if name not in refused}
     del node["propertyNames"]
     return node
+
+
+def finite_names(node: dict, names, properties: dict, judge):
+    """An open object whose ``propertyNames`` takes finitely many names: each of them declared with
+    the schema its value must meet there (its ``properties`` entry and every ``patternProperties``
+    schema whose pattern it matches, else ``additionalProperties``), and nothing else
+    (``additionalProperties: false``). ``{"propertyNames": false}``: only the empty object."""
+    candidates = _name_domain(names)
+    patterns = node.get("patternProperties", {})
+    if candidates is None or not isinstance(patterns, dict):
+        return node
+    try:
+        taken = [n for n in candidates if judge.valid(names, n)]
+        declared = {}
+        for name in taken:
+            matched = [sub for pattern, sub in patterns.items() if judge.valid({"pattern": pattern}, name)]
+            if name in properties:
+                matched.insert(0, properties[name])
+            elif not matched:
+                matched.append(node.get("additionalProperties", {}))
+            schema: object = {}
+            for sub in matched:
+                schema = meet(schema, sub)
+            declared[name] = schema
+    except judge.Unjudged:
+        return node
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if set(required) - set(declared):
+        return node  # a required name propertyNames refuses: no object is valid (the policies decide)
+    node.pop("patternProperties", None)
+    del node["propertyNames"]
+    node["properties"], node["additionalProperties"] = declared, False
+    return node
+
+
+def pattern_names(node: dict, names: dict, properties: dict, judge):
+    """An open object whose ``propertyNames`` is a ``pattern`` alone: closed on patterns. The declared
+    names it refuses leave ``properties``; each ``patternProperties`` pattern is met with it; the names
+    ``additionalProperties`` took become one pattern (the names pattern, less every other pattern and the
+    declared names: ``regular.py``) holding its schema. Left as written where a pattern has no
+    complement here (the policies decide)."""
+    patterns, extra = node.get("patternProperties", {}), node.get("additionalProperties", {})
+    if not isinstance(patterns, dict):
+        return node
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    try:
+        kept = {name: sub for name, sub in properties.items() if judge.valid(names, name)}
+        if not all(judge.valid(names, name) for name in required if isinstance(name, str)):
+            return node  # a required name propertyNames refuses: no object is valid (the policies decide)
+    except judge.Unjudged:
+        return node
+    met: dict = {}
+    for source, sub in patterns.items():
+        both = intersect_patterns((source, names["pattern"]))
+        if both is None or both in met:
+            return node
+        if both is not False:
+            met[both] = sub
+    if extra is not False:
+        declared = "^(?:" + "|".join(_escape(name) for name in properties) + ")$" if properties else None
+        others = [complement_pattern(source) for source in (*patterns, *([declared] if declared else []))]
+        if any(other is None for other in others):
+            return node
+        rest = intersect_patterns((names["pattern"], *(o for o in others if o is not False))) \
+            if all(o is not False for o in others) else False
+        if rest is None or rest in met:
+            return node
+        if rest is not False:
+            met[rest] = extra
+    node.pop("patternProperties", None)
+    del node["propertyNames"]
+    node.update(properties=kept, additionalProperties=False)
+    if met:
+        node["patternProperties"] = met
+    return node
+
+
+def _name_domain(names) -> list | None:
+    """The strings ``propertyNames`` may take, where finitely many (before judging them): None where
+    not finite here."""
+    if names is False:
+        return []
+    if not isinstance(names, dict):
+        return None
+    values = finite_values(names)
+    if values is not None:
+        over("string_set", len(values))
+        return list(dict.fromkeys(v for v in values if isinstance(v, str)))
+    kinds = rewrite.declared_types(names)
+    return [] if kinds is not None and "string" not in kinds else None
 
 
 def values_schema(values: list):

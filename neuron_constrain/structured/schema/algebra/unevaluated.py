@@ -30,8 +30,8 @@ from neuron_constrain.core.errors import Error
 from neuron_constrain.structured.schema import rewrite as rewrite
 from neuron_constrain.structured.schema.algebra.caps import over, site
 from neuron_constrain.structured.schema.algebra.conditionals import attach
-from neuron_constrain.structured.schema.algebra.disjoint import disjoint
-from neuron_constrain.structured.schema.algebra.logic import is_true, join, meet
+from neuron_constrain.structured.schema.algebra.disjoint import apart_beyond_empty, disjoint, empty_overlap
+from neuron_constrain.structured.schema.algebra.logic import ATOMS, atoms, is_true, join, meet
 from neuron_constrain.structured.schema.algebra.negation import complement
 
 APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
@@ -87,7 +87,8 @@ def resolve(node, judge, path: str = "#"):
 
 def _resolve(node: dict, judge):
     applicators = {k: node[k] for k in APPLICATORS if k in node}
-    cases = cases_of(applicators, judge, frozenset())
+    within = atoms({k: v for k, v in node.items() if k in ("type", "enum", "const")})
+    cases = cases_of(applicators, judge, frozenset(), within)
     mine = own({k: v for k, v in node.items() if k not in UNEVALUATED})
     branches = [meet(schema, _remainder(mine | seen, node)) for schema, seen in cases]
     over("branches", len(branches))
@@ -113,8 +114,8 @@ def _remainder(seen: Seen, node: dict) -> dict:
     return out
 
 
-def cases_of(schema, judge, refs: frozenset) -> list:
-    """``[(C_i, E_i)]`` for ``schema`` (see the module docstring)."""
+def cases_of(schema, judge, refs: frozenset, within: frozenset = ATOMS) -> list:
+    """``[(C_i, E_i)]`` for ``schema`` (see the module docstring); ``within``: the types the value may have."""
     if schema is False:
         return []
     if not isinstance(schema, dict):
@@ -122,21 +123,21 @@ def cases_of(schema, judge, refs: frozenset) -> list:
     base = {k: v for k, v in schema.items() if k not in APPLICATORS}
     cases = [(base, own(base))]
     for branch in schema.get("allOf") or []:
-        cases = _product(cases, cases_of(branch, judge, refs))
+        cases = _product(cases, cases_of(branch, judge, refs, within))
     if isinstance(schema.get("$ref"), str):
         ref = schema["$ref"]
         target = judge.resolve(ref)
         if ref in refs or target is None:
             raise Inexpressible(ref)
-        cases = _product(cases, cases_of(target, judge, refs | {ref}))
+        cases = _product(cases, cases_of(target, judge, refs | {ref}, within))
     if isinstance(schema.get("anyOf"), list):
-        cases = _product(cases, _any_of(schema["anyOf"], judge, refs))
+        cases = _product(cases, _any_of(schema["anyOf"], judge, refs, within))
     if isinstance(schema.get("oneOf"), list):
-        cases = _product(cases, _one_of(schema["oneOf"], judge, refs))
+        cases = _product(cases, _one_of(schema["oneOf"], judge, refs, within))
     if "if" in schema:
-        cases = _product(cases, _if(schema["if"], schema.get("then", {}), schema.get("else", {}), judge, refs))
+        cases = _product(cases, _if(schema["if"], schema.get("then", {}), schema.get("else", {}), judge, refs, within))
     for name, sub in (schema.get("dependentSchemas") or {}).items():
-        present = [(meet({"required": [name]}, c), s) for c, s in cases_of(sub, judge, refs)]
+        present = [(meet({"required": [name]}, c), s) for c, s in cases_of(sub, judge, refs, within)]
         cases = _product(cases, [({"properties": {name: False}}, Seen()), *present])
     return cases
 
@@ -151,15 +152,15 @@ def _product(first: list, second: list) -> list:
     return out
 
 
-def _any_of(branches: list, judge, refs) -> list:
+def _any_of(branches: list, judge, refs, within) -> list:
     """Every combination of cases of branches that may hold together; a combination whose evaluation
     equals that of one it extends is covered by it (dropped)."""
-    per_branch = [cases_of(b, judge, refs) for b in branches]
+    per_branch = [cases_of(b, judge, refs, within) for b in branches]
     seen_of: dict = {}
     out = []
     for size in range(1, len(branches) + 1):
         for chosen in itertools.combinations(range(len(branches)), size):
-            if any(disjoint(branches[i], branches[j], judge) for i, j in itertools.combinations(chosen, 2)):
+            if any(disjoint(branches[i], branches[j], judge, within) for i, j in itertools.combinations(chosen, 2)):
                 continue
             for picks in itertools.product(*(range(len(per_branch[i])) for i in chosen)):
                 combo = tuple(zip(chosen, picks))
@@ -178,24 +179,25 @@ def _any_of(branches: list, judge, refs) -> list:
     return out
 
 
-def _one_of(branches: list, judge, refs) -> list:
-    out = []
+def _one_of(branches: list, judge, refs, within) -> list:
+    out, emptied = [], empty_overlap(branches, judge, within)
     for i, branch in enumerate(branches):
-        guard: object = {}
+        guard: object = emptied or {}  # [], {}, "" two branches accept: no case (apart_beyond_empty)
         for j, other in enumerate(branches):
-            if j != i and not disjoint(branch, other, judge):
+            if j != i and not disjoint(branch, other, judge, within) and not (
+                    emptied is not None and apart_beyond_empty(branch, other, judge, within)):
                 negated = complement(other, judge.resolve)
                 if negated is None:
                     raise Inexpressible("oneOf")
                 guard = meet(guard, negated)
-        out += [(meet(c, guard), s) for c, s in cases_of(branch, judge, refs)]
+        out += [(meet(c, guard), s) for c, s in cases_of(branch, judge, refs, within)]
     return [(c, s) for c, s in out if c is not False]
 
 
-def _if(condition, then, otherwise, judge, refs) -> list:
+def _if(condition, then, otherwise, judge, refs, within) -> list:
     negated = complement(condition, judge.resolve)
     if negated is None:
         raise Inexpressible("if")
-    positive = _product(cases_of(condition, judge, refs), cases_of(then, judge, refs))
-    negative = [(meet(negated, c), s) for c, s in cases_of(otherwise, judge, refs)]
+    positive = _product(cases_of(condition, judge, refs, within), cases_of(then, judge, refs, within))
+    negative = [(meet(negated, c), s) for c, s in cases_of(otherwise, judge, refs, within)]
     return [(c, s) for c, s in positive + negative if c is not False]
