@@ -284,7 +284,8 @@ def narrow(schema, validate_value) -> list[str]:
     typed = []
     for path, node in walk(schema):
         families = {f for f, words in FAMILIES.items() if words & set(node)}
-        if "type" not in node and len(families) == 1 and not {"anyOf", "oneOf", "allOf", "$ref", "not", "if"} & set(node):
+        if "type" not in node and len(families) == 1 and not {"anyOf", "oneOf", "allOf", "$ref", "not", "if", "enum",
+                                                              "const"} & set(node):
             node["type"] = FAMILY_TYPES[families.pop()][-1]  # "number" covers integers
             typed.append(path)
         for key in ("enum", "const"):
