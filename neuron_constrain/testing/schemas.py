@@ -11,7 +11,8 @@ random instances, each engine against ``jsonschema``.
 typed assertions, untyped assertions, combinators, references local and not, arrays and
 objects with the applicators engines tend to drop; patterns drawn from a regex grammar covering
 the features of ``structured/schema/patterns.py``; combinator branches that carry one half of an
-adjacency unit; property names JSON writes with escapes; formats) and instances from a small
+adjacency unit; property names JSON writes with escapes; formats; numbers and their spellings,
+``numbers.py``) and instances from a small
 domain that straddles the schema's limits (so about half are invalid). ``differential`` compiles the schema
 with the default policy (``json_schema(schema, strict=False)``: JSON Schema's own semantics)
 and teacher-forces every instance, written as ``json.dumps`` writes it (the ``compact``
@@ -33,10 +34,11 @@ from hypothesis import strategies as st
 
 from neuron_constrain.structured.constraints import ConstraintError, json_schema, regex
 from neuron_constrain.structured.schema.keywords import post_validate
+from neuron_constrain.testing.numbers import numbers_case, spelled
 from neuron_constrain.testing.vocabulary import force
 
 REGIONS = ("typed", "untyped", "combinators", "references", "applicators", "patterns", "adjacency", "names",
-           "formats")
+           "formats", "numbers")
 TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
 KEYS = ("a", "b", "c")
 STRINGS = ("", "a", "ab", "abc", "ba", "a1", "Zz", "2024-01-02", "x@y.z", "a\nb")
@@ -304,7 +306,7 @@ def _format_case():
 
 
 _CASES = {"patterns": lambda: PATTERNS_DRAWN.flatmap(_pattern_case), "adjacency": _adjacent_case,
-          "names": _names_case, "formats": _format_case}
+          "names": _names_case, "formats": _format_case, "numbers": numbers_case}
 
 
 def schemas(region: str):
@@ -363,8 +365,9 @@ def repeated_key(value) -> str | None:
 def differential(engine, schema, instances, *, tokenizer=None, strict: bool = False, samples: int = 2) -> Verdict:
     """``schema`` compiled on ``engine`` (default policy), each instance teacher-forced and judged by
     ``jsonschema`` (:func:`keywords.post_validate`: the declared draft, formats asserted); each
-    instance's raw spelling (:func:`raw_json`) too, where it differs, and an object's spelling with a key
-    written twice (:func:`repeated_key`); and ``samples`` random walks
+    instance's raw spelling (:func:`raw_json`) too, where it differs, its numbers spelled another way
+    (``numbers.spelled``), and an object's spelling with a key written twice (:func:`repeated_key`); and
+    ``samples`` random walks
     through the grammar's masks (:func:`walks`), judged the same way."""
     verdict = Verdict(engine.name, schema)
     try:
@@ -391,6 +394,11 @@ def differential(engine, schema, instances, *, tokenizer=None, strict: bool = Fa
             why_raw = post_validate(schema, raw)
             if why_raw is not None and force(engine, compiled, encode(raw)):
                 verdict.unsound.append((raw, f"raw spelling: {why_raw}"))
+        other = spelled(instance, zlib.crc32(text.encode()))  # its numbers written another way, the same values
+        if other is not None and other != text:
+            why_other = post_validate(schema, other)
+            if why_other is not None and force(engine, compiled, encode(other)):
+                verdict.unsound.append((other, f"numbers spelled another way: {why_other}"))
         twice = repeated_key(instance)
         if twice is not None:
             why_twice = post_validate(schema, twice)

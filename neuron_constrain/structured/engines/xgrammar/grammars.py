@@ -200,7 +200,8 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
                 + (" or pass strict=False" if constraint.strict else "")
             ) from error
     grammar = convert(marked)
-    text = integer_markers.substitute(str(grammar))  # integral spellings (integers.py)
+    text = integer_markers.substitute(str(grammar), lambda node: reported(  # integral spellings (integers.py)
+        xgr.Grammar.from_json_schema, json.dumps(node), refuse=constraint.unenforced != "allow"))
     if text is None:  # a marker where it was not expected: the integers of a range or a step spelled plainly
         grammar = convert(spec)
         text = integers.integral(str(grammar))
