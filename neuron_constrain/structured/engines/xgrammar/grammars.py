@@ -211,7 +211,7 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
         fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
     if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
         fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
-    return xgr.Grammar.from_ebnf(fixed)
+    return grammar if fixed == str(grammar) else xgr.Grammar.from_ebnf(fixed)
 
 
 def parse_constraint(constraint: Constraint) -> None:

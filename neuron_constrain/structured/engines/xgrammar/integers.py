@@ -1,4 +1,4 @@
-"""xgrammar's integers spelled every way JSON Schema counts as an integer.
+r"""xgrammar's integers spelled every way JSON Schema counts as an integer.
 
     markers = IntegerMarkers()
     spec = markers.schema(spec)               # each number node with a range or a step: a marker while converting
@@ -8,17 +8,21 @@
 JSON Schema's ``integer`` is any number whose value is an integer: ``1.0``, ``-0``, ``-0.0``, ``1e2`` and
 ``1.5e+16`` are integers (``json.dumps`` writes floats so). xgrammar 0.2.8 writes ``-?(0|[1-9][0-9]*)`` only.
 Here an integer with no other keyword (``basic_integer``: the node alone, each ``integer`` of a type list)
-takes ``-?INT``, ``-?INT\.0+`` and the exponent forms whose value is provably an integer,
-``-?INT(\.D{k})?[eE]+?0*N`` with ``N >= k`` (``k <= 16``: every float ``json.dumps`` writes). The referee
-(``jsonschema`` on ``json.loads``) reads a number with a fraction or an exponent as a float, and a float past
-1.8e308 as ``inf``, which is no integer: so before a fraction or an exponent, at most 16 digits and an exponent
-up to 291 (one digit, as ``json.dumps`` writes it: up to 307). An integer node with ``minimum`` / ``maximum`` / ``exclusive*`` keeps xgrammar's rule for it
-(converted alone, through ``convert``: refused where xgrammar warns) and takes ``\.0+`` after the digits of the
-same range cut to ``[-1e15, 1e15]`` (the value is the digits' value: the range holds as it did); with
-``multipleOf`` (an integer step up to 32), ``\.0+`` after the multiples of at most 16 digits, written here
-(a remainder automaton: one rule per remainder and digits left). ``-0`` and ``-0.0`` are taken wherever the range holds 0 (integer
-and number nodes). Narrower than JSON Schema, never wider: no exponent beside a range or a step, no
-negative exponent (``100e-2``), no fraction with trailing zeros before an exponent (``1.50e1``), nothing past the bounds above, no fraction beside a step over 32.
+takes ``-?INT``, ``-?INT\.0+``, ``-?INT[eE]+?N`` and ``-?D\.D{1,15}[eE]+?N`` with ``N >= 16``: exponent forms
+whose value is provably an integer, every spelling ``json.dumps`` writes for an integral float (``1e+16``,
+``1.5e+16``). The referee (``jsonschema`` on ``json.loads``) reads a number with a fraction or an exponent as
+a float, and a float past 1.8e308 as ``inf``, which is no integer: so before a fraction or an exponent at most
+16 digits, and an exponent up to 291 (one digit, as ``json.dumps`` writes it: up to 307).
+
+An integer node with ``minimum`` / ``maximum`` / ``exclusive*`` keeps xgrammar's rule for it (converted alone,
+through ``convert``: refused where xgrammar warns) and takes ``\.0+`` after the digits of the same range cut
+to ``[-1e15, 1e15]`` (the value is the digits' value: the range holds as it did); with ``multipleOf`` (an
+integer step up to 32), ``\.0+`` after the multiples of at most 16 digits, written here (a remainder
+automaton: one rule per remainder and digits left). ``-0`` and ``-0.0`` are taken wherever the range holds 0
+(integer and number nodes). The rules are added only to a grammar that reads an integer (they cost compile
+time). Narrower than JSON Schema, never wider: no exponent beside a range or a step, no negative exponent
+(``100e-2``), no fraction before an exponent below 16 (``1.5e1``, ``1.0e2``), no fraction beside a step over
+32, nothing past the bounds above.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comme
                           "writeOnly"})
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*')
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$", re.MULTILINE)
-MAX_FRACTION = 16  # fraction digits before an exponent taken (json.dumps writes at most 16)
+MAX_FRACTION = 15  # fraction digits before an exponent of 16 or more (json.dumps writes at most 15 there)
 MAX_DIGITS = 16  # integer digits before a fraction or an exponent (the referee reads those as a float: finite)
 MAX_EXPONENT = 291  # 16 digits and an exponent up to 291: below 1e308, a finite float
 MAX_EXPONENT_ONE_DIGIT = 307  # one digit (json.dumps's scientific form) and an exponent up to 307: below 1e308
@@ -58,20 +62,16 @@ def _at_least(k: int, top: int) -> str:
     return "(" + " | ".join(one_digit + two_digits + _hundreds(top)) + ")"
 
 
-def _exponents(top: int) -> str:
-    return " | ".join([f'([eE] "+"? "0"* {_at_least(0, top)})'] + [
-        f'("." [0-9]{{{k},{k}}} [eE] "+"? "0"* {_at_least(k, top)})' for k in range(1, MAX_FRACTION + 1)])
-
-
 INTEGRAL_RULES = (
     'ncinteger_int ::= (("0") | ([1-9] [0-9]*))\n'
     f'ncinteger_short ::= (("0") | ([1-9] [0-9]{{0,{MAX_DIGITS - 1}}}))\n'
     'ncinteger_zeros ::= (("." "0"+))\n'
-    f"ncinteger_exponent ::= ({_exponents(MAX_EXPONENT)})\n"
-    f"ncinteger_one_digit_exponent ::= ({_exponents(MAX_EXPONENT_ONE_DIGIT)})\n"
+    f'ncinteger_exponent ::= (([eE] "+"? "0"* {_at_least(0, MAX_EXPONENT)}))\n'
+    f'ncinteger_scientific ::= (([eE] "+"? "0"* {_at_least(0, MAX_EXPONENT_ONE_DIGIT)})'
+    f' | ("." [0-9]{{1,{MAX_FRACTION}}} [eE] "+"? "0"* {_at_least(MAX_FRACTION + 1, MAX_EXPONENT_ONE_DIGIT)}))\n'
 )
 BASIC_INTEGER = ('basic_integer ::= (("-"? ncinteger_int) | ("-"? ncinteger_short (ncinteger_zeros | ncinteger_exponent))'
-                 ' | ("-"? [0-9] ncinteger_one_digit_exponent))')
+                 ' | ("-"? [1-9] ncinteger_scientific))')
 BOUND = 10 ** 15  # an integer spelled with a fraction or an exponent beside a range: at most this far from 0
 
 
@@ -210,7 +210,7 @@ def _clamped(node: dict) -> dict | None:
 
 def integral(text: str, extra=()) -> str:
     """xgrammar's EBNF ``text`` with ``basic_integer`` taking every integral spelling, plus ``extra`` rules."""
-    if "basic_integer ::=" not in text and not extra:
-        return text
+    if not extra and not re.search(r"(?<![A-Za-z0-9_])basic_integer(?![A-Za-z0-9_])(?! ::=)", text):
+        return text  # no integer read anywhere: the grammar as xgrammar wrote it (the rules cost compile time)
     text = re.sub(r"^basic_integer ::= .*$", BASIC_INTEGER, text, flags=re.MULTILINE)
     return text.rstrip("\n") + "\n" + INTEGRAL_RULES + "".join(line + "\n" for line in extra)
