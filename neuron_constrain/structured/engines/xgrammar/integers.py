@@ -8,7 +8,7 @@ r"""xgrammar's integers spelled every way JSON Schema counts as an integer.
 JSON Schema's ``integer`` is any number whose value is an integer: ``1.0``, ``-0``, ``-0.0``, ``1e2`` and
 ``1.5e+16`` are integers (``json.dumps`` writes floats so). xgrammar 0.2.8 writes ``-?(0|[1-9][0-9]*)`` only.
 Here an integer with no other keyword (``basic_integer``: the node alone, each ``integer`` of a type list)
-takes ``-?INT``, ``-?INT\.0+``, ``-?INT[eE]+?N`` and ``-?D\.D{1,15}[eE]+?N`` with ``N >= 16``: exponent forms
+takes ``-?INT``, ``-?INT\.0+``, ``-?INT[eE]+?N`` and ``-?D\.D{1,16}[eE]+?N`` with ``N >= 16``: exponent forms
 whose value is provably an integer, every spelling ``json.dumps`` writes for an integral float (``1e+16``,
 ``1.5e+16``). The referee (``jsonschema`` on ``json.loads``) reads a number with a fraction or an exponent as
 a float, and a float past 1.8e308 as ``inf``, which is no integer: so before a fraction or an exponent at most
@@ -38,7 +38,7 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comme
                           "writeOnly"})
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*')
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$", re.MULTILINE)
-MAX_FRACTION = 15  # fraction digits before an exponent of 16 or more (json.dumps writes at most 15 there)
+MAX_FRACTION = 16  # fraction digits before an exponent of 16 or more (json.dumps writes at most 16: repr's 17 digits)
 MAX_DIGITS = 16  # integer digits before a fraction or an exponent (the referee reads those as a float: finite)
 MAX_EXPONENT = 291  # 16 digits and an exponent up to 291: below 1e308, a finite float
 MAX_EXPONENT_ONE_DIGIT = 307  # one digit (json.dumps's scientific form) and an exponent up to 307: below 1e308
@@ -68,7 +68,7 @@ INTEGRAL_RULES = (
     'ncinteger_zeros ::= (("." "0"+))\n'
     f'ncinteger_exponent ::= (([eE] "+"? "0"* {_at_least(0, MAX_EXPONENT)}))\n'
     f'ncinteger_scientific ::= (([eE] "+"? "0"* {_at_least(0, MAX_EXPONENT_ONE_DIGIT)})'
-    f' | ("." [0-9]{{1,{MAX_FRACTION}}} [eE] "+"? "0"* {_at_least(MAX_FRACTION + 1, MAX_EXPONENT_ONE_DIGIT)}))\n'
+    f' | ("." [0-9]{{1,{MAX_FRACTION}}} [eE] "+"? "0"* {_at_least(MAX_FRACTION, MAX_EXPONENT_ONE_DIGIT)}))\n'
 )
 BASIC_INTEGER = ('basic_integer ::= (("-"? ncinteger_int) | ("-"? ncinteger_short (ncinteger_zeros | ncinteger_exponent))'
                  ' | ("-"? [1-9] ncinteger_scientific))')
