@@ -13,7 +13,8 @@ objects with the applicators engines tend to drop; patterns drawn from a regex g
 the features of ``structured/schema/patterns.py``; combinator branches that carry one half of an
 adjacency unit; property names JSON writes with escapes; formats; counts and existentials over an
 object's names: ``minProperties``/``maxProperties`` on open objects, ``propertyNames``, ``not`` over
-object subschemas, overlapping ``oneOf``, ``dependent*``, ``unevaluated*``) and instances from a small
+object subschemas, overlapping ``oneOf``, ``dependent*``, ``unevaluated*``; numbers and their spellings,
+``numbers.py``) and instances from a small
 domain that straddles the schema's limits (so about half are invalid). ``differential`` compiles the schema
 with the default policy (``json_schema(schema, strict=False)``: JSON Schema's own semantics)
 and teacher-forces every instance, written as ``json.dumps`` writes it (the ``compact``
@@ -35,10 +36,12 @@ from hypothesis import strategies as st
 
 from neuron_constrain.structured.constraints import ConstraintError, json_schema, regex
 from neuron_constrain.structured.schema.keywords import post_validate
+from neuron_constrain.testing.existentials import existentials_case
+from neuron_constrain.testing.numbers import numbers_case, spelled
 from neuron_constrain.testing.vocabulary import force
 
 REGIONS = ("typed", "untyped", "combinators", "references", "applicators", "patterns", "adjacency", "names",
-           "formats", "existentials")
+           "formats", "existentials", "numbers")
 TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
 KEYS = ("a", "b", "c")
 STRINGS = ("", "a", "ab", "abc", "ba", "a1", "Zz", "2024-01-02", "x@y.z", "a\nb")
@@ -305,37 +308,9 @@ def _format_case():
         lambda p: ({"type": "string", "format": p[0]}, p[1]))
 
 
-_OBJECT_VALUES = ({}, {"a": 1}, {"b": "x"}, {"a": 1, "b": "x"}, {"a": "x", "b": 1}, {"a": 1, "b": 2, "c": None},
-                  {"ab": [1], "c": {}}, {"c": 1}, {"x1": 1, "x2": 2, "y": None}, {"a": {"a": 1, "b": 2}, "b": [{}]},
-                  {"a": {}, "c": 3}, [{"a": 1, "b": 2}], [{"a": 1}, {}], [], "ab", 1, None)
-_OBJECT_KEYWORDS = st.sampled_from((
-    {"minProperties": 2}, {"minProperties": 3}, {"maxProperties": 1}, {"propertyNames": False},
-    {"propertyNames": {"enum": ["a", "c"]}}, {"propertyNames": {"maxLength": 1}}, {"propertyNames": {"pattern": "^[ab]"}},
-    {"patternProperties": {"^x": {"type": "integer"}}}, {"patternProperties": {"b": {"type": "string"}}},
-    {"not": {"patternProperties": {"^a": {"type": "integer"}}}}, {"not": {"properties": {"a": {"type": "integer"}}}},
-    {"not": {"required": ["a"]}}, {"dependentRequired": {"a": ["b"]}}, {"dependentSchemas": {"a": {"required": ["c"]}}},
-    {"oneOf": [{"required": ["a"]}, {"minProperties": 2}]}, {"oneOf": [{"properties": {"a": {"type": "integer"}}},
-                                                                       {"properties": {"a": {"type": "string"}}}]},
-    {"anyOf": [{"required": ["b"]}, {"properties": {"a": {"const": 1}}}], "unevaluatedProperties": False},
-    {"allOf": [{"properties": {"a": {}}}], "unevaluatedProperties": {"type": "integer"}},
-    {"additionalProperties": False, "properties": {"a": {}, "b": {}}}, {"additionalProperties": {"type": "integer"}},
-    {"properties": {"a": {"type": "integer"}}}, {"required": ["a"]}))
-
-
-def _existentials_case():
-    def build(picked):
-        parts, typed, nested = picked
-        node = {"type": "object"} if typed else {}
-        for part in parts:
-            node.update(part)
-        return {"type": "array", "items": node, "maxItems": 2} if nested else node
-    schema = st.tuples(st.lists(_OBJECT_KEYWORDS, min_size=1, max_size=3), st.booleans(),
-                       st.sampled_from((False, False, True))).map(build)
-    return st.tuples(schema, st.lists(st.sampled_from(_OBJECT_VALUES), min_size=8, max_size=8, unique_by=json.dumps))
-
-
 _CASES = {"patterns": lambda: PATTERNS_DRAWN.flatmap(_pattern_case), "adjacency": _adjacent_case,
-          "names": _names_case, "formats": _format_case, "existentials": _existentials_case}
+          "names": _names_case, "formats": _format_case, "existentials": existentials_case,
+          "numbers": numbers_case}
 
 
 def schemas(region: str):
@@ -394,8 +369,9 @@ def repeated_key(value) -> str | None:
 def differential(engine, schema, instances, *, tokenizer=None, strict: bool = False, samples: int = 2) -> Verdict:
     """``schema`` compiled on ``engine`` (default policy), each instance teacher-forced and judged by
     ``jsonschema`` (:func:`keywords.post_validate`: the declared draft, formats asserted); each
-    instance's raw spelling (:func:`raw_json`) too, where it differs, and an object's spelling with a key
-    written twice (:func:`repeated_key`); and ``samples`` random walks
+    instance's raw spelling (:func:`raw_json`) too, where it differs, its numbers spelled another way
+    (``numbers.spelled``), and an object's spelling with a key written twice (:func:`repeated_key`); and
+    ``samples`` random walks
     through the grammar's masks (:func:`walks`), judged the same way."""
     verdict = Verdict(engine.name, schema)
     try:
@@ -422,6 +398,11 @@ def differential(engine, schema, instances, *, tokenizer=None, strict: bool = Fa
             why_raw = post_validate(schema, raw)
             if why_raw is not None and force(engine, compiled, encode(raw)):
                 verdict.unsound.append((raw, f"raw spelling: {why_raw}"))
+        other = spelled(instance, zlib.crc32(text.encode()))  # its numbers written another way, the same values
+        if other is not None and other != text:
+            why_other = post_validate(schema, other)
+            if why_other is not None and force(engine, compiled, encode(other)):
+                verdict.unsound.append((other, f"numbers spelled another way: {why_other}"))
         twice = repeated_key(instance)
         if twice is not None:
             why_twice = post_validate(schema, twice)

@@ -106,15 +106,15 @@ def test_first_masks_from_llguidance_then_xgrammar_and_the_move_is_recorded():
 
 
 def test_a_narrowed_grammar_never_takes_over_a_prefix_it_refuses():
-    """xgrammar types an untyped ``{"maxLength": 2}`` as a string (it would refuse ``5``): auto serves it on
-    llguidance without a race; and a racing matcher offered that narrowed grammar after ``5`` stays put."""
-    schema = {"maxLength": 2}
+    """xgrammar writes a bounded string without escapes (it would refuse ``"\\"``): auto serves it on
+    llguidance without a race; and a racing matcher offered that narrowed grammar after ``"\\`` stays put."""
+    schema = {"type": "string", "maxLength": 3}
     engine = E.AutoEngine(VOCAB)
     compiled = engine.compile(S.json_schema(schema))
     assert compiled.engine == "llguidance" and compiled.successor is None
     narrowed = engine.xgrammar.compile(S.json_schema(schema), policy="refuse")
     assert narrowed.narrowed == ("#",)
-    for text, moves in (("5", False), ('"a', True)):
+    for text, moves in (('"\\', False), ('"a', True)):
         ready = concurrent.futures.Future()
         matcher = RacingMatcher(engine.llguidance.matcher(compiled), "llguidance", ready, engine.xgrammar.matcher,
                                 "xgrammar")
@@ -124,8 +124,10 @@ def test_a_narrowed_grammar_never_takes_over_a_prefix_it_refuses():
         ready.set_result(narrowed)
         _mask(matcher)
         assert matcher.engines == (("llguidance", "xgrammar") if moves else ("llguidance",)) and not matcher.racing
-        if not moves:  # still llguidance's: the valid number ends here
-            assert matcher.accept_token(VOCAB.eos_id) and matcher.is_terminated()
+        if not moves:  # still llguidance's: the escaped quote and the string end here
+            for token in VOCAB.encode('""') + [VOCAB.eos_id]:
+                assert matcher.accept_token(token)
+            assert matcher.is_terminated()
 
 
 def test_rollback_and_jump_forward_across_the_move():

@@ -236,19 +236,19 @@ def test_false_schema_and_remote_refs_are_refused_by_name(toy_engines):
         assert "https://example.com/elsewhere.json#/x" in message and "never fetched" in message, (name, message)
 
 
-def test_untyped_assertions_are_narrowed_on_xgrammar_and_exact_on_llguidance(toy_engines):
-    """The documented over-restriction: xgrammar types an untyped node by its assertions (5 is refused
-    though JSON Schema accepts it); llguidance keeps JSON Schema's meaning. Neither accepts "abc"."""
+def test_untyped_assertions_are_exact_on_every_engine(toy_engines):
+    """An untyped node's assertions apply to their own type only: xgrammar gets the node split by type
+    (``values.split_types``: 5 passes ``maxLength``), not typed by its assertions as it was; neither accepts "abc"."""
     verdicts = _verdicts(toy_engines, {"maxLength": 2}, ["ab", "abc", 5])
-    assert verdicts["xgrammar"].over_restricted == ["5"] and verdicts["xgrammar"].accepted_valid == 1
-    assert not verdicts["llguidance"].over_restricted and verdicts["llguidance"].accepted_valid == 2
+    for name in ("xgrammar", "llguidance"):
+        assert not verdicts[name].over_restricted and verdicts[name].accepted_valid == 2, name
     assert all(not v.unsound for v in verdicts.values())
-    assert toy_engines["xgrammar"].compile(S.json_schema({"maxLength": 2})).narrowed == ("#",)
-    # auto routes by meaning: the engine exact on the whole schema first; xgrammar's narrowing only as a fallback
+    # the string branch is a bounded string (xgrammar writes it without escapes: narrowed, and says where)
+    assert toy_engines["xgrammar"].compile(S.json_schema({"minimum": 2})).narrowed == ()
     routed = toy_engines["auto"].compile(S.json_schema({"maxLength": 2}))
     assert routed.engine == "llguidance" and routed.narrowed == ()
     fallback = toy_engines["auto"].compile(S.json_schema({"properties": {"a": {}}, "minProperties": 1}, strict=False))
-    assert fallback.engine == "xgrammar" and fallback.narrowed == ("#",)  # llguidance counts only required names
+    assert fallback.engine == "xgrammar" and fallback.narrowed == ()  # llguidance counts only required names
 
 
 def test_a_bounded_string_routes_to_the_engine_that_takes_its_escapes(toy_engines):
@@ -263,11 +263,12 @@ def test_a_bounded_string_routes_to_the_engine_that_takes_its_escapes(toy_engine
     assert _verdicts({"auto": toy_engines["auto"]}, schema, [{"name": 'a"b'}])["auto"].accepted_valid == 1
     unbounded = toy_engines["auto"].compile(S.json_schema({"type": "object", "properties": {"name": {"type": "string"}}}))
     assert unbounded.engines[-1] == "xgrammar" and unbounded.narrowed == ()  # raced: xgrammar's once it is ready
-    # as stock vLLM (the plugin): the bounded string on xgrammar, narrowed and saying so; untyped nodes still by meaning
+    # as stock vLLM (the plugin): the bounded string on xgrammar, narrowed and saying so
     as_vllm = E.AutoEngine(toy_tokenizer(), narrow_bounded_strings=True, race=False)  # as the plugin builds it
     kept = as_vllm.compile(S.json_schema(schema))
     assert kept.engine == "xgrammar" and kept.narrowed == ("#/properties/name",)
-    assert as_vllm.compile(S.json_schema({"maxLength": 2})).engine == "llguidance"
+    split = as_vllm.compile(S.json_schema({"maxLength": 2}))  # untyped: split by type, the string branch bounded
+    assert split.engine == "xgrammar" and split.narrowed == ("#/anyOf/0",)
 
 
 @pytest.mark.parametrize("schema", [{"type": "object", "minProperties": 2},

@@ -12,14 +12,14 @@ neither engine takes it is the request refused, with both reasons. ``unenforced=
 keeps its meaning: llguidance first for what xgrammar would not enforce, then xgrammar
 with the keywords listed.
 
-Routed by meaning: where xgrammar would take fewer values than the schema (its narrowing: an
-untyped node compiled as one type, ``rewrite.narrow``: ``{"maxLength": 2}`` would refuse
-``5``, which JSON Schema takes; a bounded string written without escapes: ``"a\\"b"`` refused),
+Routed by meaning: where xgrammar would take fewer values than the schema (its narrowing: a
+bounded string written without escapes: ``"a\\"b"`` refused; a format written as a narrower
+pattern; untyped nodes are split by type, ``schema/values.py``, and keep their meaning),
 llguidance, which keeps JSON Schema's meaning there, is tried first; xgrammar's narrowed grammar
 is the fallback, and the result says so (``CompiledGrammar.narrowed``: the nodes' pointers).
 ``narrow_bounded_strings=True`` takes xgrammar's escape-free bounded strings as stock vLLM does
 (the vLLM plugin: its greedy tokens stay stock's; llguidance forces a canonical tokenization of
-text the grammar fixes, xgrammar allows any), still routing untyped nodes by meaning.
+text the grammar fixes, xgrammar allows any).
 
 The race (``race=True``, the default): where xgrammar would enforce the whole constraint exactly, its
 compile has a long tail (seconds for some real schemas) while llguidance's is milliseconds. So both compile

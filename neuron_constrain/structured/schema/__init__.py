@@ -7,4 +7,4 @@ It imports neither ``engines`` nor ``runtime`` (ARCHITECTURE.md). The modules be
 rooms may import.
 """
 __all__ = ["algebra", "code_points", "formats", "item_plan", "keywords", "limits", "pattern_text", "patterns", "prepare",
-           "rewrite", "satisfiable"]
+           "rewrite", "satisfiable", "values"]

@@ -5,21 +5,19 @@
     prepare(schema, "xgrammar")                # the schema the engine compiles (rewrites that keep the meaning)
     post_validate(schema, text)                # None, or the violation (the schema's declared draft, formats on)
 
-Never silently wrong by construction: each engine declares the keywords it enforces and where
-(:class:`Allowlist`, kept beside the engine: ``engines/xgrammar/engine.py``,
-``engines/llguidance/engine.py``). A schema compiles on an engine only if every keyword of the
-JSON Schema vocabulary (``rewrite.VOCABULARY``), at every location, is on that engine's
-list with its condition met; anything else is refused by default, naming the keyword, its JSON
-pointer and an engine that enforces it there, and ``auto`` sends the schema to that engine.
-Keywords outside the vocabulary (``title``, ``description``, ``$defs``, ``x-...``) assert
-nothing and are never refused. Before the check, :func:`prepare` applies the rewrites that keep
-a schema's meaning (``rewrite.normalize``) and the engine's own (``distribute`` /
-``narrow`` for xgrammar). ``json_schema(..., unenforced="allow")`` opts in: the request
+Never silently wrong by construction: each engine declares the keywords it enforces and where (:class:`Allowlist`,
+kept beside the engine: ``engines/xgrammar/engine.py``, ``engines/llguidance/engine.py``). A schema compiles on an
+engine only if every keyword of the JSON Schema vocabulary (``rewrite.VOCABULARY``), at every location, is on that
+engine's list with its condition met; anything else is refused by default, naming the keyword, its JSON pointer
+and an engine that enforces it there, and ``auto`` sends the schema to that engine.
+Keywords outside the vocabulary (``title``, ``description``, ``$defs``, ``x-...``) assert nothing and are never
+refused. Before the check, :func:`prepare` applies the rewrites that keep a schema's meaning (``rewrite.normalize``)
+and the engine's own (``Allowlist.rewrites``). ``json_schema(..., unenforced="allow")`` opts in: the request
 compiles, its result lists the unenforced keywords, and the final output is validated here.
 
-The lists are measured, not assumed: ``tests/structured/test_soundness.py`` draws schemas from the whole
-vocabulary and instances around them, and fails if an engine accepts an instance ``jsonschema``
-calls invalid of a schema it compiled; :func:`guarantee_table` writes the table of docs/guides/engines.md.
+The lists are measured, not assumed: ``tests/structured/test_soundness.py`` draws schemas from the whole vocabulary
+and instances around them, and fails if an engine accepts an instance ``jsonschema`` calls invalid of a schema it
+compiled; :func:`guarantee_table` writes the table of docs/guides/engines.md.
 """
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ import json
 import re
 from typing import Callable, Iterator
 
-from neuron_constrain.structured.schema import algebra, formats, patterns
+from neuron_constrain.structured.schema import algebra, formats, patterns, values
 from neuron_constrain.structured.schema import rewrite as rewrite
 from neuron_constrain.structured.constraints import ConstraintError
 
@@ -72,10 +70,7 @@ class Allowlist:
     engine: str
     entries: tuple[Enforced, ...]
     formats: frozenset
-    rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (schema/rewrite.py)
-    # (format, pattern, exact): a format this engine has no sound grammar for, written as a pattern
-    # (exact: the referee's meaning; else narrower, and the node is listed as narrowed)
-    format_patterns: tuple[tuple[str, str, bool], ...] = ()
+    rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (rewrite.py); "split_types", "values", "integral" (values.py)
     evidence: str = ""
     regex: frozenset = frozenset()  # names of patterns.REFUSED this engine enforces exactly
     pattern_form: str = ""  # in words, for the engines guide's regex table
@@ -225,9 +220,6 @@ def _format_names(lists: Allowlist) -> list[str]:
             for name in sorted(set(formats.FORMATS) | lists.formats)]
 
 
-_NEGATED = frozenset({"not", "if", "oneOf"})  # keywords whose subschemas a valid value may need to fail
-
-
 def prepare(schema, engine, narrowed: list | None = None):
     """The schema ``engine`` compiles: ``algebra.lower`` (meaning kept), then :func:`engine_rewrites`
     (``prepare.Prepared`` runs the two apart: the first once per constraint, the second once per engine)."""
@@ -236,44 +228,25 @@ def prepare(schema, engine, narrowed: list | None = None):
 
 
 def engine_rewrites(lowered, engine, narrowed: list | None = None):
-    """A copy of ``lowered`` (an ``algebra.lower``-ed schema, never modified) with ``engine``'s own rewrites;
-    ``narrowed`` (a list) receives the JSON pointers of untyped nodes the engine's narrowing typed and of
-    formats it writes as a narrower pattern."""
+    """A copy of ``lowered`` (``algebra.lower``-ed, never modified) with ``engine``'s own rewrites; ``narrowed`` (a
+    list) receives the pointers of untyped nodes the narrowing typed and of formats written as narrower patterns."""
     if not isinstance(lowered, dict):
         return lowered
     lists = allowlist(engine)
     prepared = json.loads(json.dumps(lowered))  # each engine's own: its rewrites and its compile edit nodes
     if "distribute" in lists.rewrites:
         rewrite.distribute(prepared)
+    if "split_types" in lists.rewrites:  # exact: one branch per instance type, nothing narrowed
+        values.split_types(prepared, rewrite.walk)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
         typed = rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))
         if narrowed is not None:
             narrowed += typed
+    if "values" in lists.rewrites:  # enum/const compared by value (whitespace, integral spellings)
+        values.values_as_schemas(prepared, rewrite.walk, integral_numbers="integral" in lists.rewrites)
     formats.write_patterns(prepared, formats.lengths_beside_pattern(lists.why_not), narrowed)
-    if lists.format_patterns:
-        _formats_as_patterns(prepared, lists.format_patterns, narrowed)
     return prepared
-
-
-def _formats_as_patterns(schema: dict, format_patterns, narrowed: list | None) -> None:
-    """Each ``format`` of ``format_patterns`` written as its pattern (format and pattern both assert on
-    strings only), where the node has no pattern of its own; a narrower one only in a schema without
-    `not`/`if`/`oneOf` (where it, or a `$ref` to it, would widen what the schema accepts)."""
-    written = {name: (pattern, exact) for name, pattern, exact in format_patterns}
-    nodes = list(walk(schema))
-    negating = any(_NEGATED & set(node) for _, node in nodes)
-    for path, node in nodes:
-        name = node.get("format")
-        if not isinstance(name, str) or name not in written or "pattern" in node:
-            continue
-        pattern, exact = written[name]
-        if negating and not exact:
-            continue
-        del node["format"]
-        node["pattern"] = pattern
-        if not exact and narrowed is not None:
-            narrowed.append(path)
 
 
 def find(schema: dict, engine, tracker=None) -> list[Unenforced]:

@@ -2,7 +2,7 @@
 
     schema = normalize(schema)      # same instances valid, in the form engines compile
     schema = distribute(schema)     # siblings of anyOf/oneOf/allOf moved into the branches (same meaning)
-    schema = narrow(schema)         # an untyped node typed by its assertions (fewer valid instances, never more)
+    schema = narrow(schema)         # enum/const filtered by their sibling assertions (same meaning)
 
 ``normalize`` (all engines): ``true`` subschemas become ``{}``; integer-valued limits written
 ``2.0`` become ``2``; every ``$ref`` into the same document (``$id``-relative, ``$anchor``, a
@@ -15,11 +15,10 @@ is left as written: no engine enforces it (keywords.py refuses it by name; nothi
 becomes ``{anyOf: [{A, B}, {A, C}]}`` (``oneOf`` alike; ``allOf: [B, C]`` with ``A`` becomes
 ``{A, B, C}``) where no keyword collides; otherwise the node is left and the policy refuses it.
 
-``narrow`` (xgrammar, which compiles an untyped node as any value and drops its assertions):
-a node without ``type`` whose assertions all belong to one instance type gets that type, and
-an ``enum`` / ``const`` beside other assertions keeps only the values that satisfy them (checked
-with ``jsonschema``). The first is a narrowing, stated in docs/guides/engines.md: ``{"maxLength": 2}`` then
-refuses ``5``, which JSON Schema accepts; an accepted output is still always valid.
+``narrow`` (xgrammar, which compiles an ``enum`` / ``const`` alone and drops its siblings): an
+``enum`` / ``const`` beside other assertions keeps only the values that satisfy them (checked with
+``jsonschema``), the meaning kept. (An untyped node is no longer typed by its assertions, which refused
+``5`` for ``{"maxLength": 2}``: ``values.split_types`` splits it by instance type first.)
 """
 from __future__ import annotations
 
@@ -279,14 +278,10 @@ def _merge_into(merged: dict, branch: dict) -> bool:
 
 
 def narrow(schema, validate_value) -> list[str]:
-    """Untyped nodes typed by their assertions; enum/const filtered by their siblings (``validate_value(node, v)``).
-    Returns the JSON pointers of the nodes it typed (the narrowing: fewer valid instances there)."""
-    typed = []
-    for path, node in walk(schema):
-        families = {f for f, words in FAMILIES.items() if words & set(node)}
-        if "type" not in node and len(families) == 1 and not {"anyOf", "oneOf", "allOf", "$ref", "not", "if"} & set(node):
-            node["type"] = FAMILY_TYPES[families.pop()][-1]  # "number" covers integers
-            typed.append(path)
+    """``enum`` / ``const`` beside other assertions filtered by them (``validate_value(node, v)``), the siblings
+    dropped (same meaning). Returns the pointers of the nodes it narrowed: none since untyped nodes are split
+    by type (``values.split_types``), kept for the engines' view (``EngineView.narrowed``)."""
+    for _, node in walk(schema):
         for key in ("enum", "const"):
             if key not in node:
                 continue
@@ -301,4 +296,4 @@ def narrow(schema, validate_value) -> list[str]:
                 del node[k]
             node["enum"] = kept
             node.pop("const", None)
-    return typed
+    return []

@@ -67,6 +67,7 @@ ENFORCES = keywords.register(keywords.Allowlist(
                           keywords.both(keywords.count("maxProperties"), _all_required)),
     ),
     _FORMATS,
+    rewrites=("values",),  # enum/const arrays and objects as schemas: any whitespace (schema/values.py)
     evidence="llguidance's json_schema.md; tests/structured/test_soundness.py (the differential test), llguidance 1.9.1",
     pattern_form="`^(?:...)$` in the plain syntax (`pattern_text.to_regex`), over the string's characters",
 ))

@@ -198,7 +198,7 @@ def _entries():
 
 
 ENFORCES = K.register(K.Allowlist(
-    "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "narrow"),
+    "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "split_types", "narrow", "values", "integral"),
     regex=frozenset({patterns.CONTROLS_WITHOUT_ESCAPES}),  # the library writes the JSON escapes (pattern_text.to_ebnf)
     evidence="tests/structured/test_soundness.py (the differential test) and tests/structured/test_keywords.py's probes, xgrammar 0.2.8",
     pattern_form="EBNF written by the library (`pattern_text.to_ebnf`), over the JSON-escaped text",

@@ -23,6 +23,7 @@ import weakref
 
 import xgrammar as xgr
 
+from neuron_constrain.structured.engines.xgrammar import integers
 from neuron_constrain.structured.schema import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
 from neuron_constrain.structured.schema.pattern_text import constraint_regex, to_ebnf
@@ -183,26 +184,34 @@ class _Markers:
 def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     """The xgrammar grammar of a ``json_schema`` constraint: patterns written by the library, JSON
     string characters fixed."""
-    markers = _Markers()
+    markers, integer_markers = _Markers(), integers.IntegerMarkers()
     spec = markers.schema(constraint.spec)
-    try:
-        grammar = reported(xgr.Grammar.from_json_schema, spec, strict_mode=constraint.strict,
-                           refuse=constraint.unenforced != "allow", **_whitespace_options(constraint))
-    except ConstraintError:
-        raise
-    except Exception as error:
-        raise ConstraintError(
-            f"xgrammar could not convert this JSON schema ({engine_message(error)}); fix the schema"
-            + (" or pass strict=False" if constraint.strict else "")
-        ) from error
-    text = str(grammar)
+    marked = integer_markers.schema(spec)
+
+    def convert(schema):
+        try:
+            return reported(xgr.Grammar.from_json_schema, schema, strict_mode=constraint.strict,
+                            refuse=constraint.unenforced != "allow", **_whitespace_options(constraint))
+        except ConstraintError:
+            raise
+        except Exception as error:
+            raise ConstraintError(
+                f"xgrammar could not convert this JSON schema ({engine_message(error)}); fix the schema"
+                + (" or pass strict=False" if constraint.strict else "")
+            ) from error
+    grammar = convert(marked)
+    text = integer_markers.substitute(str(grammar), lambda node: reported(  # integral spellings (integers.py)
+        xgr.Grammar.from_json_schema, json.dumps(node), refuse=constraint.unenforced != "allow"))
+    if text is None:  # a marker where it was not expected: the integers of a range or a step spelled plainly
+        grammar = convert(spec)
+        text = integers.integral(str(grammar))
     # allowed: the output is validated afterwards
     fixed = markers.substitute(text, refuse=constraint.unenforced != "allow")
     if LENGTH_STRING_CLASS in fixed:
         fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
     if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
         fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
-    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+    return grammar if fixed == str(grammar) else xgr.Grammar.from_ebnf(fixed)
 
 
 def parse_constraint(constraint: Constraint) -> None:
