@@ -85,18 +85,11 @@ def test_a_walk_under_the_mask_writes_unique_items_only(toy_engines, name):
     validator = jsonschema.Draft202012Validator(schema)
     for engine_name, engine in toy_engines.items():
         compiled = engine.compile(S.json_schema(schema, strict=False, whitespace="none"))
-        buffer = torch.zeros((1, engine.width), dtype=torch.int32)
         finished, longest = 0, 0
         for _ in range(30):
-            matcher, tokens = engine.matcher(compiled), []
-            while not matcher.is_terminated() and len(tokens) < 120:
-                assert engine.batch_fill([matcher], buffer, [0]) == []
-                bits = torch.nonzero(_unpacked(buffer[0], engine.vocab_size)).flatten().tolist()
-                if not bits:
-                    break  # a dead end deeper than one token: the request would fail, never write a duplicate
-                token = rng.choice(bits)
-                assert matcher.accept_token(token), (engine_name, token)
-                tokens.append(token)
+            # a dead end deeper than one token ends a walk: the request would fail, never write a duplicate
+            matcher = engine.matcher(compiled)
+            tokens = random_walk(engine, matcher, rng, 120)
             if matcher.is_terminated():
                 finished += 1
                 value = json.loads(engine.tokenizer.decode(tokens[:-1]))
@@ -108,6 +101,22 @@ def test_a_walk_under_the_mask_writes_unique_items_only(toy_engines, name):
 def _unpacked(row: torch.Tensor, size: int) -> torch.Tensor:
     bits = (row.unsqueeze(-1).to(torch.int64) >> torch.arange(32)) & 1
     return bits.flatten()[:size].bool()
+
+
+def random_walk(engine, matcher, rng, limit: int, *, dead_ends: bool = True) -> list[int]:
+    """Tokens drawn at random among those the mask allows, each one taken by ``accept_token``, until the matcher
+    ends, ``limit`` tokens, or an empty mask (a dead end: asserted never to happen unless ``dead_ends``)."""
+    buffer, tokens = torch.zeros((1, engine.width), dtype=torch.int32), []
+    while not matcher.is_terminated() and len(tokens) < limit:
+        assert engine.batch_fill([matcher], buffer, [0]) == []
+        bits = torch.nonzero(_unpacked(buffer[0], engine.vocab_size)).flatten().tolist()
+        assert bits or dead_ends, engine.tokenizer.decode(tokens)
+        if not bits:
+            break
+        token = rng.choice(bits)
+        assert matcher.accept_token(token), (engine.name, engine.tokenizer.decode(tokens + [token]))
+        tokens.append(token)
+    return tokens
 
 
 def _allows(engine, matcher, text: str) -> bool:

@@ -24,6 +24,7 @@ from neuron_constrain.structured.schema.keywords import post_validate
 from neuron_constrain.testing.algebra_schemas import meaning_changes
 from neuron_constrain.testing.schemas import schema_and_instances
 from tests.conftest import examples
+from test_item_tracker import _unpacked, random_walk
 
 # host-side, the same on every torch: one lane runs it, the latest (the shorter; see the torch_agnostic marker)
 pytestmark = pytest.mark.torch_agnostic(lane="latest")
@@ -119,17 +120,10 @@ def test_a_walk_under_the_mask_closes_an_open_object_only_with_enough_names(auto
 def _walk(auto, schema, seed: int, least: int = 5):
     validator, rng = jsonschema.Draft202012Validator(schema), random.Random(seed)
     compiled = auto.compile(S.json_schema(schema, strict=False, whitespace="none"))
-    buffer = torch.zeros((1, auto.width), dtype=torch.int32)
     finished = 0
     for _ in range(20):
-        matcher, tokens = auto.matcher(compiled), []
-        while not matcher.is_terminated() and len(tokens) < 80:
-            assert auto.batch_fill([matcher], buffer, [0]) == []
-            bits = torch.nonzero(_unpacked(buffer[0], auto.vocab_size)).flatten().tolist()
-            assert bits, auto.tokenizer.decode(tokens)
-            token = rng.choice(bits)
-            assert matcher.accept_token(token)
-            tokens.append(token)
+        matcher = auto.matcher(compiled)
+        tokens = random_walk(auto, matcher, rng, 80, dead_ends=False)
         if matcher.is_terminated():
             finished += 1
             assert validator.is_valid(json.loads(auto.tokenizer.decode(tokens[:-1])))
@@ -219,9 +213,6 @@ def test_a_walk_under_the_mask_closes_only_objects_one_branch_takes(auto):
     _walk(auto, schema, seed=11, least=1)  # exactly one branch: a name must break the other (a rare walk)
 
 
-def _unpacked(row: torch.Tensor, size: int) -> torch.Tensor:
-    bits = (row.unsqueeze(-1).to(torch.int64) >> torch.arange(32)) & 1
-    return bits.flatten()[:size].bool()
 
 
 # ---- oneOf branches that overlap only on [], {}, "": the overlap enumerated and excluded (disjoint.py)
@@ -264,17 +255,10 @@ def test_random_walks_under_the_mask_write_only_valid_objects(auto, case, seed):
         compiled = auto.compile(S.json_schema(schema, strict=False, whitespace="none"))
     except S.ConstraintError:
         return
-    rng, buffer = random.Random(seed), torch.zeros((1, auto.width), dtype=torch.int32)
+    rng = random.Random(seed)
     for _ in range(3):
-        matcher, tokens = auto.matcher(compiled), []
-        while not matcher.is_terminated() and len(tokens) < 60:
-            assert auto.batch_fill([matcher], buffer, [0]) == []
-            bits = torch.nonzero(_unpacked(buffer[0], auto.vocab_size)).flatten().tolist()
-            if not bits:
-                break
-            token = rng.choice(bits)
-            assert matcher.accept_token(token), (json.dumps(schema), auto.tokenizer.decode(tokens + [token]))
-            tokens.append(token)
+        matcher = auto.matcher(compiled)
+        tokens = random_walk(auto, matcher, rng, 60)
         if matcher.is_terminated():
             assert post_validate(schema, auto.tokenizer.decode(tokens[:-1])) is None, json.dumps(schema)
 

@@ -74,6 +74,11 @@ def _contained(frame) -> list:
     return sorted(c for c in frame[2] if c != "unique")
 
 
+# what may follow a number without changing its value: zeros after its point, or a point and zeros (then its end)
+_ZEROS = re.compile(rb"0+(?:[,\]}\s].*)?\Z", re.DOTALL)
+_POINT_ZEROS = re.compile(rb"\.0*(?:[,\]}\s].*)?\Z", re.DOTALL)
+
+
 class Scan:
     """Where the output stands: a stack of open containers and the scalar being written. Immutable
     apart from the shared ``text`` (bytes past ``length`` are scratch), so a state is kept per token."""
@@ -432,16 +437,18 @@ class ItemTrackingMatcher:
                 refused.append(token)
                 continue
             pending = after.pending()
-            if pending is not None and (pending[0] == "literal" or self._only_ends(token, pending[0])):
+            if pending is not None and (pending[0] == "literal" or self._only_ends(token, pending[0], after)):
                 refused.append(token)
             elif full is not None and after.stack and after.stack[-1][5] + 1 >= full and (
                     (after.unmet() and self._only_ends(token, "close"))
-                    or ((kind := after.ends_unmet()) is not None and self._only_ends(token, kind))):
+                    or ((kind := after.ends_unmet()) is not None and self._only_ends(token, kind, after))):
                 refused.append(token)  # the array is full, and its contains unmet: only a bracket it may not take
         return refused
 
-    def _only_ends(self, token: int, kind: str) -> bool:
-        """Whether, after ``token``, the grammar allows only tokens that end the item being written."""
+    def _only_ends(self, token: int, kind: str, scan: Scan | None = None) -> bool:
+        """Whether, after ``token``, the grammar allows only tokens that end the item being written, or (a
+        number: ``scan`` after the token) that only spell its value again: an integer's integral spelling
+        (``15`` -> ``15.0``) keeps the value, so the item can still only end as it is."""
         if not self.grammar.accept_token(token):
             return False
         try:
@@ -450,7 +457,12 @@ class ItemTrackingMatcher:
             self.grammar.fill_next_token_bitmask(self._scratch, 0)
             after = _allowed(self._scratch.numpy()[0].view(np.uint32), self.vocabulary.size)
             ends = self.vocabulary.flags[{"string": "starts_quote", "close": "starts_close"}.get(kind, "starts_end")]
-            return not (after & ~ends).any()
+            others = np.flatnonzero(after & ~ends)
+            if kind != "number" or scan is None or not others.size:
+                return not others.size
+            text = bytes(scan.text[scan.scalar:scan.length]) if scan.scalar >= 0 else b""
+            keeps = _ZEROS if b"." in text else _POINT_ZEROS
+            return all(keeps.match(self.vocabulary.pieces[other]) for other in others.tolist())
         finally:
             self.grammar.rollback(1)
 

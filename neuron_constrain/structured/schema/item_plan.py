@@ -299,7 +299,7 @@ class Plan:
                 found = MIXED if MIXED in parts else frozenset().union(*parts) if shape[0] == "and" else (
                     parts[0] if all(p == parts[0] for p in parts) else MIXED)
             if found and found != MIXED and shape[0] != "or" and not all(
-                    _extendable(self._nodes[i]) for i in self._conjuncts(shape)):
+                    _extendable(self._nodes[i]) for i in self._leaves(shape, branches=False)):
                 found = MIXED  # names run out (a closed object): a refused brace could leave no way on
             self._exists[shape] = found
         return self._exists[shape]
@@ -390,24 +390,15 @@ class Plan:
         self.wholes -= mixed
         return None
 
-    def _conjuncts(self, shape):
-        """The nodes every value at ``shape`` meets (not those of one branch)."""
-        if shape == ANY or shape[0] == "or":
+    def _leaves(self, shape, branches: bool = True):
+        """The nodes of ``shape``; ``branches=False``: only those every value there meets (not one branch's)."""
+        if shape == ANY or (not branches and shape[0] == "or"):
             return
         if shape[0] == "node":
             yield shape[1]
             return
         for part in shape[1]:
-            yield from self._conjuncts(part)
-
-    def _leaves(self, shape):
-        if shape == ANY:
-            return
-        if shape[0] == "node":
-            yield shape[1]
-            return
-        for part in shape[1]:
-            yield from self._leaves(part)
+            yield from self._leaves(part, branches)
 
     def engine_schema(self) -> dict:
         """The schema without what the tracker enforces (what the engine compiles)."""
