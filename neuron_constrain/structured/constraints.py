@@ -41,6 +41,7 @@ class Constraint:
         max_whitespace: ``"bounded"``: whitespace characters a gap may hold.
         validate: tool formats: ``text -> None | reason``, the check of a finished answer (``tools.py``).
         unenforced: JSON schema keywords the engine cannot enforce: ``"refuse"`` or ``"allow"``.
+        integral: JSON schema: an ``integer`` also takes its integral spellings (``1.0``, ``1e+16``) on xgrammar.
     """
 
     kind: str  # "json_schema" | "json" | "regex" | "choice" | "ebnf" | "structural_tag"
@@ -50,6 +51,7 @@ class Constraint:
     max_whitespace: int = 2  # "bounded": at most this many whitespace characters in each gap
     validate: Any = None  # tool formats: ``text -> None | reason`` (see tools.py)
     unenforced: str = "refuse"  # JSON schema keywords the engine cannot enforce: "refuse" | "allow" (keywords.py)
+    integral: bool = True  # JSON schema: an integer also in its integral spellings (1.0, 1e+16) where the engine can
 
     @property
     def compact(self) -> bool:
@@ -60,7 +62,7 @@ class Constraint:
     def key(self) -> tuple:
         """What the compiled grammar depends on: equal keys share one compiled grammar."""
         spec = json.dumps(self.spec, sort_keys=True, ensure_ascii=False) if self.kind != "regex" else self.spec
-        return (self.kind, spec, self.whitespace, self.strict, self.max_whitespace, self.unenforced)
+        return (self.kind, spec, self.whitespace, self.strict, self.max_whitespace, self.unenforced, self.integral)
 
     def grammar_text(self) -> str:
         """The constraint as EBNF text (``"choice"`` and ``"ebnf"`` constraints).
@@ -105,6 +107,7 @@ def json_schema(
     max_whitespace: int = 2,
     compact: bool | None = None,
     unenforced: str = "refuse",
+    integral: bool = True,
 ) -> Constraint:
     """Output is JSON valid against ``schema``.
 
@@ -121,6 +124,9 @@ def json_schema(
         compact: the older spelling: ``True`` is ``"none"``, ``False`` is ``"any"``.
         unenforced: a keyword the engine would not enforce is refused (``"refuse"``, the
             default), or accepted, listed on the result and the output validated (``"allow"``).
+        integral: an ``integer`` also takes the spellings JSON Schema counts as integers (``1.0``,
+            ``-0.0``, ``1e+16``) on xgrammar (``False``: plain integers only, as vLLM's own grammars write
+            them; the vLLM plugin's choice, so its greedy tokens stay stock vLLM's).
 
     Returns:
         The constraint; it compiles when a runtime adds a request with it.
@@ -150,7 +156,8 @@ def json_schema(
         raise ConstraintError(f"max_whitespace={max_whitespace!r}: pass a positive int (whitespace characters per gap)")
     if unenforced not in ("refuse", "allow"):
         raise ConstraintError(f"unenforced={unenforced!r}: pass 'refuse' (the default) or 'allow'")
-    return Constraint("json_schema", schema, whitespace, bool(strict), max_whitespace, unenforced=unenforced)
+    return Constraint("json_schema", schema, whitespace, bool(strict), max_whitespace, unenforced=unenforced,
+                      integral=bool(integral))
 
 
 def any_json() -> Constraint:

@@ -8,7 +8,7 @@ read would show here as a missing call.
 ``pythonic`` and ``qwen3_coder`` run on the tiny checkpoint, ``llama3_json`` on it with Llama 3.1's
 ``<|python_tag|>`` added (vLLM's parser refuses a vocabulary without it), ``mistral`` on it with
 mistral-common's v3 instruct tokenizer (``[TOOL_CALLS]`` a control token; ``--tokenizer-mode mistral``).
-The four start side by side once for the module. ``auto`` with a push on the family's first token of a
+One server runs at a time (each holds ~2.5 GB). ``auto`` with a push on the family's first token of a
 call (``logit_bias``: the random model never opens one by itself) gives calls, without it free text.
 """
 from __future__ import annotations
@@ -47,19 +47,16 @@ def opening_token(parser: str, piece: str | None = None) -> int:
     return token
 
 
-@pytest.fixture(scope="module")
-def servers(start_server):
-    started = {parser: start_server(f"family-{parser}", model=model, extra=["--tool-call-parser", parser],
-                                    max_num_seqs=4, wait=False)
-               for parser, model in FAMILIES.items()}
-    for server in started.values():
-        server.wait()
-    return started
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, server_dir):
+    """One family's server at a time (each holds ~2.5 GB beside the lane's shared servers), stopped after its tests."""
+    from conftest import Server
 
-
-@pytest.fixture(params=list(FAMILIES))
-def family(request, servers):
-    return request.param, servers[request.param]
+    parser = request.param
+    server = Server(f"family-{parser}", tmp=server_dir, model=FAMILIES[parser], extra=["--tool-call-parser", parser],
+                    max_num_seqs=4)
+    yield parser, server
+    server.stop()
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED, "auto"], ids=["required", "named", "auto"])

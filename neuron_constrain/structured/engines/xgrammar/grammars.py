@@ -186,7 +186,7 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     string characters fixed."""
     markers, integer_markers = _Markers(), integers.IntegerMarkers()
     spec = markers.schema(constraint.spec)
-    marked = integer_markers.schema(spec)
+    marked = integer_markers.schema(spec) if constraint.integral else spec
 
     def convert(schema):
         try:
@@ -201,7 +201,8 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
             ) from error
     grammar = convert(marked)
     text = integer_markers.substitute(str(grammar), lambda node: reported(  # integral spellings (integers.py)
-        xgr.Grammar.from_json_schema, json.dumps(node), refuse=constraint.unenforced != "allow"))
+        xgr.Grammar.from_json_schema, json.dumps(node), refuse=constraint.unenforced != "allow")) \
+        if constraint.integral else str(grammar)
     if text is None:  # a marker where it was not expected: the integers of a range or a step spelled plainly
         grammar = convert(spec)
         text = integers.integral(str(grammar))

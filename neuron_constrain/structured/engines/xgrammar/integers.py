@@ -53,6 +53,9 @@ def _hundreds(top: int) -> list[str]:
     return found + [f'("{hundreds}{tens}" [0-{ones}])']
 
 
+MAX_ZEROS = 16  # zeros after an integer's point (json.dumps writes one): bounded, so no answer runs away in zeros
+
+
 def _at_least(k: int, top: int) -> str:
     """EBNF of the decimal numbers ``k`` to ``top`` (``0 <= k <= 16``, ``100 <= top <= 999``), without leading
     zeros (the caller writes those)."""
@@ -65,10 +68,10 @@ def _at_least(k: int, top: int) -> str:
 INTEGRAL_RULES = (
     'ncinteger_int ::= (("0") | ([1-9] [0-9]*))\n'
     f'ncinteger_short ::= (("0") | ([1-9] [0-9]{{0,{MAX_DIGITS - 1}}}))\n'
-    'ncinteger_zeros ::= (("." "0"+))\n'
-    f'ncinteger_exponent ::= (([eE] "+"? "0"* {_at_least(0, MAX_EXPONENT)}))\n'
-    f'ncinteger_scientific ::= (([eE] "+"? "0"* {_at_least(0, MAX_EXPONENT_ONE_DIGIT)})'
-    f' | ("." [0-9]{{1,{MAX_FRACTION}}} [eE] "+"? "0"* {_at_least(MAX_FRACTION, MAX_EXPONENT_ONE_DIGIT)}))\n'
+    f'ncinteger_zeros ::= (("." "0"{{1,{MAX_ZEROS}}}))\n'
+    f'ncinteger_exponent ::= (([eE] "+"? "0"{{0,2}} {_at_least(0, MAX_EXPONENT)}))\n'
+    f'ncinteger_scientific ::= (([eE] "+"? "0"{{0,2}} {_at_least(0, MAX_EXPONENT_ONE_DIGIT)})'
+    f' | ("." [0-9]{{1,{MAX_FRACTION}}} [eE] "+"? "0"{{0,2}} {_at_least(MAX_FRACTION, MAX_EXPONENT_ONE_DIGIT)}))\n'
 )
 BASIC_INTEGER = ('basic_integer ::= (("-"? ncinteger_int) | ("-"? ncinteger_short (ncinteger_zeros | ncinteger_exponent))'
                  ' | ("-"? [1-9] ncinteger_scientific))')
