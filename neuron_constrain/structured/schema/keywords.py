@@ -229,7 +229,7 @@ def prepare(schema, engine, narrowed: list | None = None):
 
 def engine_rewrites(lowered, engine, narrowed: list | None = None):
     """A copy of ``lowered`` (``algebra.lower``-ed, never modified) with ``engine``'s own rewrites; ``narrowed`` (a
-    list) receives the pointers of untyped nodes the narrowing typed and of formats written as narrower patterns."""
+    list) receives the pointers of formats written as narrower patterns."""
     if not isinstance(lowered, dict):
         return lowered
     lists = allowlist(engine)
@@ -240,9 +240,7 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
         values.split_types(prepared, rewrite.walk)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
-        typed = rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))
-        if narrowed is not None:
-            narrowed += typed
+        rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))
     if "values" in lists.rewrites:  # enum/const compared by value (whitespace, integral spellings)
         values.values_as_schemas(prepared, rewrite.walk, integral_numbers="integral" in lists.rewrites)
     formats.write_patterns(prepared, formats.lengths_beside_pattern(lists.why_not), narrowed)

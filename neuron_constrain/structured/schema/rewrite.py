@@ -277,10 +277,9 @@ def _merge_into(merged: dict, branch: dict) -> bool:
     return False
 
 
-def narrow(schema, validate_value) -> list[str]:
+def narrow(schema, validate_value) -> None:
     """``enum`` / ``const`` beside other assertions filtered by them (``validate_value(node, v)``), the siblings
-    dropped (same meaning). Returns the pointers of the nodes it narrowed: none since untyped nodes are split
-    by type (``values.split_types``), kept for the engines' view (``EngineView.narrowed``)."""
+    dropped (same meaning; untyped nodes are split by type first, ``values.split_types``)."""
     for _, node in walk(schema):
         for key in ("enum", "const"):
             if key not in node:
@@ -296,4 +295,3 @@ def narrow(schema, validate_value) -> list[str]:
                 del node[k]
             node["enum"] = kept
             node.pop("const", None)
-    return []

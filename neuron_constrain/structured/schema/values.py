@@ -70,12 +70,11 @@ def _split(node: dict) -> list[dict] | None:
     return branches
 
 
-def split_types(schema: dict, walk) -> list[str]:
+def split_types(schema: dict, walk) -> None:
     """Every untyped or multi-typed node with keywords of some instance type split into one ``anyOf`` branch
     per type (the module docstring); in a typed node, keywords of types it does not declare are dropped.
-    ``walk``: ``rewrite.walk``. Returns the pointers of the nodes it split."""
-    split = []
-    for path, node in list(walk(schema)):
+    ``walk``: ``rewrite.walk``."""
+    for _, node in list(walk(schema)):
         typed = declared_types(node)
         if typed is not None and len(typed) == 1:
             family = _FAMILY_OF.get(next(iter(typed)))
@@ -90,8 +89,6 @@ def split_types(schema: dict, walk) -> list[str]:
         for key in [k for k in node if k in VOCABULARY]:
             del node[key]
         node["anyOf"] = branches
-        split.append(path)
-    return split
 
 
 def _as_schema(value, integral_numbers: bool):

@@ -47,7 +47,7 @@ class BracketScan:
     read as the text grows: ``scan(text)`` goes on from where the last call stopped."""
 
     def __init__(self, at: int):
-        self.at, self.end, self.depth, self.quote = at, at, 0, ""
+        self.end, self.depth, self.quote = at, 0, ""  # where the scan goes on, brackets open, the open quote
 
     def scan(self, text: str) -> int | None:
         """The index just after the closing bracket, or ``None`` while the text ends before it.

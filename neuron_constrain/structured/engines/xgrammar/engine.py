@@ -253,9 +253,8 @@ class XGrammarEngine(GrammarEngine):
     def _compile_or_load(self, job):
         """xgrammar's grammar of ``job``: from the disk cache where an entry loads, else compiled (and stored
         there when the compile took ``disk_cache.min_seconds`` or more)."""
-        key = None
+        key, info = None, xgrammar_info(self.info)
         if self.disk_cache is not None:
-            info = xgrammar_info(self.info)
             if self._tokenizer_digest is None:
                 self._tokenizer_digest = self.disk_cache.tokenizer_digest(info.serialize_json())
             key = self.disk_cache.key(job.key, self._tokenizer_digest)
@@ -265,7 +264,7 @@ class XGrammarEngine(GrammarEngine):
         start, text = time.perf_counter(), None
         if self.workers is not None:  # the worker's JSON is what the disk cache stores: not written again here
             text = self.workers.compile_text(job, self.limits.compile_seconds)
-            grammar = xgr.CompiledGrammar.deserialize_json(text, xgrammar_info(self.info))
+            grammar = xgr.CompiledGrammar.deserialize_json(text, info)
         else:
             grammar = compile_grammar(self.compiler, job)
         self.compiles += 1

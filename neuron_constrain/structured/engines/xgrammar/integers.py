@@ -43,6 +43,7 @@ MAX_DIGITS = 16  # integer digits before a fraction or an exponent (the referee 
 MAX_EXPONENT = 291  # 16 digits and an exponent up to 291: below 1e308, a finite float
 MAX_EXPONENT_ONE_DIGIT = 307  # one digit (json.dumps's scientific form) and an exponent up to 307: below 1e308
 MAX_STEP = 32  # multipleOf steps up to this get fractions spelled (16 * step rules)
+MAX_ZEROS = 16  # zeros after an integer's point (json.dumps writes one): bounded, so no answer runs away in zeros
 
 
 def _hundreds(top: int) -> list[str]:
@@ -51,9 +52,6 @@ def _hundreds(top: int) -> list[str]:
     found = [f'("{h}" [0-9] [0-9])' for h in range(1, hundreds)]
     found += [f'("{hundreds}{t}" [0-9])' for t in range(tens)]
     return found + [f'("{hundreds}{tens}" [0-{ones}])']
-
-
-MAX_ZEROS = 16  # zeros after an integer's point (json.dumps writes one): bounded, so no answer runs away in zeros
 
 
 def _at_least(k: int, top: int) -> str:

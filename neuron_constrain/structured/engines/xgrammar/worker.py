@@ -1,7 +1,7 @@
 """``XGrammarWorkers``: xgrammar compilations in worker processes that can be killed.
 
     workers = shared_workers(info, processes=2, memory_mb=2048)   # info: the xgr.TokenizerInfo matchers use
-    grammar = workers.compile(constraint, seconds=60)   # a CompiledGrammar; LimitError past a limit
+    text = workers.compile_text(constraint, seconds=60)   # the CompiledGrammar's JSON; LimitError past a limit
 
 xgrammar cannot cancel a compilation: its C++ runs to the end holding what memory it took
 (a 500-branch ``anyOf`` on a 32,000-token vocabulary: 15 s and 2.6 GB). So each one runs in a
@@ -209,14 +209,10 @@ class XGrammarWorkers:
         limit counts from when a worker can take it."""
         self._warmed.wait(timeout)
 
-    def compile(self, constraint: Constraint, seconds: float):
-        """``constraint`` (already through the engine's keyword policy) compiled in a worker."""
-        import xgrammar as xgr
-
-        return xgr.CompiledGrammar.deserialize_json(self.compile_text(constraint, seconds), self.info)
-
     def compile_text(self, constraint: Constraint, seconds: float) -> str:
-        """:meth:`compile`'s grammar as the worker sent it (xgrammar's JSON: what the disk cache stores)."""
+        """``constraint`` (already through the engine's keyword policy) compiled in a worker: the grammar as the
+        worker sent it (``CompiledGrammar.serialize_json``; the caller deserializes it, and the disk cache
+        stores it as it is)."""
         job = dataclasses.replace(constraint, validate=None)  # a tool's validator is the caller's, not xgrammar's
         with self._turn:
             self._turn.wait_for(lambda: self._busy < self.processes)
