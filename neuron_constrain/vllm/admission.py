@@ -152,23 +152,24 @@ def admission() -> Admission:
         return _ADMISSION
 
 
-def admitted_json(so, limits) -> bool:
-    """Whether ``so`` (a request's ``StructuredOutputsParams``) is a JSON schema the library's verdict admitted
-    already: then the library enforces it, and vLLM's own xgrammar check (which refuses `uniqueItems`,
-    `contains`, a pattern beside a length, ... that the library enforces) is not the verdict."""
-    if not so.json:
+def admitted(so, limits) -> bool:
+    """Whether ``so`` (a request's ``StructuredOutputsParams``) is a JSON schema or a regex the library's verdict
+    admitted already: then the library enforces it, and vLLM's own xgrammar check (which refuses `uniqueItems`,
+    `contains`, a pattern beside a length, a regex's lookaround, ... that the library enforces) is not the
+    verdict. (A choice is left to vLLM's check: it rewrites the choice into a grammar.)"""
+    if not so.json and not (so.regex and "\x00" not in so.regex):
         return False
     try:
         kind, spec = policy.request_constraint(so, limits)
         constraint = _constraint(kind, spec, limits, admission().whitespace)
-        return kind == "json" and policy.cached_verdict(constraint, limits) is not None
+        return kind in ("json", "regex") and policy.cached_verdict(constraint, limits) is not None
     except ConstraintError:
         return False  # refused: the verdict's own 400 comes first (add_request); vLLM's check is not needed
 
 
 def _defer_vllm_json_check() -> None:
-    """vLLM's front end validates a JSON schema with xgrammar's feature list (``validate_xgrammar_grammar``:
-    the plugin's servers name the xgrammar backend) before the plugin's ``validate_params``; for a schema the
+    """vLLM's front end validates a JSON schema with xgrammar's feature list, a regex with xgrammar's parser (``validate_xgrammar_grammar``:
+    the plugin's servers name the xgrammar backend) before the plugin's ``validate_params``; for a schema or regex the
     library admitted, the library's verdict is the one that counts. Wrapped once, at module level: vLLM imports
     it inside the functions that call it."""
     from vllm.v1.structured_output import backend_xgrammar
@@ -180,7 +181,7 @@ def _defer_vllm_json_check() -> None:
     @functools.wraps(original)
     def validate_xgrammar_grammar(sampling_params):
         so = sampling_params.structured_outputs
-        if so is not None and admitted_json(so, admission().limits):
+        if so is not None and admitted(so, admission().limits):
             return None
         return original(sampling_params)
 

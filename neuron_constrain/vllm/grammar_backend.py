@@ -39,7 +39,7 @@ import time
 import torch
 import xgrammar as xgr
 
-from neuron_constrain.structured.runtime.fill_budget import STRIKES, cpu_seconds
+from neuron_constrain.structured.runtime.fill_budget import STRIKES
 from neuron_constrain.structured.schema.limits import LimitError
 from neuron_constrain.vllm import check_vllm_version
 from neuron_constrain.vllm import policy
@@ -64,22 +64,38 @@ COMPILE_PROCESSES = 4  # xgrammar worker processes (the scheduler's two lanes of
 class _Budget:
     """A per-token budget on a grammar's fill (``nc_budget`` seconds; ``nc_stops``: a mask row of the
     stop tokens): past it, the row keeps only its stop tokens (``nc_budget_ended``), or, where the
-    grammar may not end, the grammar is marked failed (``nc_failure``)."""
+    grammar may not end, the grammar is marked failed (``nc_failure``).
+
+    A fill is timed by the clock until one takes a quarter of the budget; from then on (``nc_slow``) the
+    grammar's work for each token, its accept and the next fill, is timed in its thread's CPU time as it
+    runs (a preempted thread on a busy host is not a slow grammar; an ambiguous grammar's accepts grow as
+    its fills do: they were two thirds of its cost once its fills were timed alone), and
+    ``fill_budget.STRIKES`` tokens past the budget in a row end the request (one spike of an ordinary
+    grammar, the first character of a bounded string, does not). No fill is run twice: timing a slow
+    grammar's fills again (as this did, the least of two more fills) tripled what it cost the batch."""
 
     nc_failure: str | None = None
     nc_budget_ended: bool = False
-    nc_strikes: int = 0  # fills past the budget in a row (fill_budget.STRIKES of them end the request)
+    nc_slow: bool = False  # one fill took a quarter of the budget: its fills are timed in CPU time from now on
+    nc_strikes: int = 0  # tokens past the budget in a row (fill_budget.STRIKES of them end the request)
+    nc_accepting: float = 0.0  # CPU seconds of the accepts since the last fill (a slow grammar's)
     nc_budget: float = float("inf")
     nc_stops: torch.Tensor | None = None
 
     def _timed_fill(self, fill, bitmask: torch.Tensor, idx: int) -> None:
-        start = time.perf_counter()
+        if not self.nc_slow:
+            start = time.perf_counter()
+            fill(bitmask, idx)
+            self.nc_slow = time.perf_counter() - start > self.nc_budget / 4
+            return
+        start = time.thread_time()
         fill(bitmask, idx)
-        if time.perf_counter() - start <= self.nc_budget or self.nc_failure is not None:
+        seconds = time.thread_time() - start + self.nc_accepting
+        self.nc_accepting = 0.0
+        if seconds <= self.nc_budget or self.nc_failure is not None:
             self.nc_strikes = 0
             return
-        seconds = cpu_seconds(lambda: fill(bitmask, idx))  # past it by the clock: again in this thread's CPU time
-        self.nc_strikes = self.nc_strikes + 1 if seconds > self.nc_budget else 0
+        self.nc_strikes += 1
         if self.nc_strikes < STRIKES:  # a spike of an ordinary grammar, not yet a grammar that stays slow
             return
         ends = bitmask[idx] & self.nc_stops
@@ -88,6 +104,16 @@ class _Budget:
             self.nc_budget_ended = True
         else:
             self.nc_failure = policy.over_budget_message(seconds, self.nc_budget)
+
+
+    def _timed_accept(self, accept, request_id: str, tokens: list[int]) -> bool:
+        if not self.nc_slow:
+            return accept(request_id, tokens)
+        start = time.thread_time()
+        try:
+            return accept(request_id, tokens)
+        finally:
+            self.nc_accepting += time.thread_time() - start
 
 
 def _stop_row(stop_ids, vocab_size: int) -> torch.Tensor:
@@ -99,10 +125,13 @@ def _stop_row(stop_ids, vocab_size: int) -> torch.Tensor:
 
 
 class BudgetedXgrammarGrammar(XgrammarGrammar, _Budget):
-    """vLLM's xgrammar grammar, its fills timed against the per-token budget."""
+    """vLLM's xgrammar grammar, its fills and accepts timed against the per-token budget."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
         self._timed_fill(super().fill_bitmask, bitmask, idx)
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return self._timed_accept(super().accept_tokens, request_id, tokens)
 
 
 def vllm_tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -151,7 +180,7 @@ def served_engine(tokenizer, vocab_size: int, limits, compile_processes: int):
 
 class LibraryGrammar(StructuredOutputGrammar, _Budget):
     """A library matcher (llguidance's, wrapped by ``LLGuidanceMatcher``) behind vLLM's grammar
-    interface, with the semantics of vLLM's ``XgrammarGrammar``; its fills timed like
+    interface, with the semantics of vLLM's ``XgrammarGrammar``; its fills and accepts timed like
     :class:`BudgetedXgrammarGrammar`'s."""
 
     def __init__(self, engine, compiled):
@@ -161,6 +190,9 @@ class LibraryGrammar(StructuredOutputGrammar, _Budget):
         self._is_terminated = False
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return self._timed_accept(self._accept, request_id, tokens)
+
+    def _accept(self, request_id: str, tokens: list[int]) -> bool:
         if self._is_terminated:
             return True
         for token in tokens:

@@ -261,8 +261,9 @@ def refusal_message(error: ConstraintError) -> str:
 
 
 def over_budget_message(seconds: float, budget: float) -> str:
-    """Why a request whose grammar's fill took ``seconds`` for one token (over ``budget``) was stopped."""
-    return (f"its grammar's mask fill took {seconds * 1e3:.0f} ms for one token, over the server's per-token "
+    """Why a request whose grammar's work (its mask fill, and its accept) took ``seconds`` for one token (over
+    ``budget``) was stopped."""
+    return (f"its grammar's mask fill and accept took {seconds * 1e3:.0f} ms for one token, over the server's per-token "
             f"budget fill_ms={budget * 1e3:g} (an ambiguous grammar's work grows with its text); simplify the "
             f"grammar, or start the server with `--limit fill_ms=N` ({LIMITS_ENV}=fill_ms=N) to raise it")
 

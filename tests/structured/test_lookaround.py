@@ -240,3 +240,26 @@ def test_what_is_not_built_is_refused_by_name_on_each_engine(engines, pattern, f
             engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
         with pytest.raises(S.ConstraintError, match=feature):
             engine.compile(S.regex(pattern))
+
+
+DEEP = r"(?=[a-z0-9]*[0-9])(?=[a-z0-9]*[a-z])[a-z0-9]{8,64}"  # bench_hostile's `lookahead`: nests 118 levels
+SHALLOW = DEEP.replace("64", "20")
+
+
+def test_a_deeply_nested_built_language_goes_to_llguidance_first_and_stays_exact(engines):
+    """xgrammar keeps a copy of the automaton per nesting level (its worker's reply for DEEP grew past 2 GiB);
+    ``auto`` takes such a pattern to llguidance first, as a regex and as a schema's pattern, and only there:
+    the same class to 20 characters stays on xgrammar."""
+    from neuron_constrain.structured.schema.prepare import prepare
+
+    assert lookaround.built_deep(DEEP, search=False) and not lookaround.built_deep(SHALLOW, search=False)
+    auto = E.AutoEngine(engines["xgrammar"].tokenizer, race=False)
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": f"^{DEEP}$"}}}
+    assert prepare(S.json_schema(schema)).deep_languages == ("#/properties/code/pattern",)
+    assert auto.compile(S.json_schema(schema)).engine == "llguidance"
+    for pattern, engine in ((DEEP, "llguidance"), (SHALLOW, "xgrammar")):
+        compiled = auto.compile(S.regex(pattern))
+        assert compiled.engine == engine, pattern
+        for text in ("abcdefg1", "abcdefgh", "12345678", "a1" * 10, "a1" * 11, "a1" * 32, "a1" * 33, "a1b"):
+            took = force(auto, compiled, auto.tokenizer.encode(text))
+            assert took == (re.fullmatch(pattern, text) is not None), (pattern, text)

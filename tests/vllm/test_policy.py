@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import types
 
 import pytest
+import torch
 
 from neuron_constrain.structured import ConstraintError
 from neuron_constrain.vllm import policy
@@ -119,3 +121,50 @@ def test_last_line_of_defence_ends_an_invalid_answer_as_an_error():
     snapshot = scheduler.snapshot()
     assert snapshot["validated_outputs"] == 2 and snapshot["invalid_outputs"] == 1
     assert "not JSON" in snapshot["violations"][0]["why"]
+
+
+def _burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.parametrize("slow", ["fill", "accept"])
+def test_a_slow_grammar_s_work_per_token_ends_it_with_each_fill_run_once(slow):
+    """The engine core's per-token budget: a grammar whose fill, or whose accept, takes past the budget on
+    STRIKES tokens in a row ends where it may end (only the stop token left in its row); each fill runs once
+    (timing it by running it again tripled a slow grammar's cost to the batch); a fast grammar is never
+    timed in CPU time nor stopped."""
+    from neuron_constrain.structured.runtime.fill_budget import STRIKES
+    from neuron_constrain.vllm.grammar_backend import _Budget, _stop_row
+
+    class Grammar(_Budget):
+        def __init__(self, fill_cost, accept_cost):
+            self.fills, self.fill_cost, self.accept_cost = 0, fill_cost, accept_cost
+            self.nc_budget, self.nc_stops = 0.01, _stop_row([2], 64)
+
+        def fill(self, bitmask, idx):
+            self.fills += 1
+            bitmask[idx].fill_(-1)  # every token allowed, the stop token among them
+            _burn(self.fill_cost)
+
+        def accept(self, request_id, tokens):
+            _burn(self.accept_cost)
+            return True
+
+    def run(grammar, tokens):
+        bitmask = torch.zeros((1, 2), dtype=torch.int32)
+        for step in range(tokens):
+            grammar._timed_fill(grammar.fill, bitmask, 0)
+            if grammar.nc_budget_ended:
+                return step, bitmask
+            grammar._timed_accept(grammar.accept, "r", [5])
+        return None, bitmask
+
+    fast = Grammar(0.0, 0.0)
+    assert run(fast, 20)[0] is None and not fast.nc_slow and fast.fills == 20
+    costly = Grammar(0.015, 0.0) if slow == "fill" else Grammar(0.004, 0.012)
+    step, bitmask = run(costly, 20)
+    assert step is not None and step <= STRIKES + 1 and costly.fills == step + 1, (step, costly.fills)
+    assert bitmask[0].tolist() == costly.nc_stops.tolist() and costly.nc_failure is None

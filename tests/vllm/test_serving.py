@@ -65,6 +65,17 @@ def test_the_plugin_admission_is_the_verdict_on_what_the_library_enforces(server
     jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+@pytest.mark.parametrize("pattern", [r"(?=[a-z0-9]*[0-9])[a-z0-9]{4,8}",  # a lookahead vLLM's check refuses
+                                     r"(?=[a-z0-9]*[0-9])(?=[a-z0-9]*[a-z])[a-z0-9]{8,64}"])  # deep: llguidance's
+def test_a_lookaround_regex_the_library_builds_is_served_and_matched(server, pattern):
+    """vLLM's own check refuses a regex with a lookahead (xgrammar's parser); the library builds its language
+    exactly (the deep one on llguidance, ``Prepared.deep_languages``): served, and the answer fully matches."""
+    import re
+
+    choice = chat(server.client(), max_tokens=70, extra_body={"structured_outputs": {"regex": pattern}})
+    assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.message.content), choice
+
+
 @pytest.mark.parametrize("kind", ["json", "regex", "tools"])
 def test_one_compile_per_constraint_per_server(server, kind):
     """The admission compiles a new constraint for the model's vocabulary in the API server; the engine core

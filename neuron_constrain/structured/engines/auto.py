@@ -12,6 +12,11 @@ neither engine takes it is the request refused, with both reasons. ``unenforced=
 keeps its meaning: llguidance first for what xgrammar would not enforce, then xgrammar
 with the keywords listed.
 
+Routed by cost too: a pattern whose language the library built by automata (lookarounds, ``\\b``) and
+that nests deep (``Prepared.deep_languages``: ``(?=.*\\d)[a-z\\d]{8,64}``) goes to llguidance first, as a
+narrowed one does: xgrammar keeps a copy of the whole automaton per nesting level (its worker's reply grew
+past 2 GiB for that one), llguidance reads it lazily in milliseconds.
+
 Routed by meaning: where xgrammar would take fewer values than the schema (its narrowing: a
 bounded string written without escapes: ``"a\\"b"`` refused; a format written as a narrower
 pattern; untyped nodes are split by type, ``schema/values.py``, and keep their meaning),
@@ -35,7 +40,7 @@ engine that made each matcher.
 
     xgrammar's view of the prepared constraint (policy "refuse"):
       refused            -> llguidance (the request's policy); failing that, under "allow": xgrammar, listed
-      narrowed           -> llguidance; failing that: xgrammar's narrowed grammar
+      narrowed, or deep  -> llguidance; failing that: xgrammar's (narrowed) grammar
       exact (the race)   -> llguidance's grammar now, xgrammar's once ready (RacingMatcher)
       exact, race=False  -> xgrammar
 """
@@ -95,7 +100,7 @@ class AutoEngine(GrammarEngine):
         except ConstraintError as refused:
             view, xgrammar_said = None, str(refused)
         if view is not None:
-            if view.narrowed or (view.bounded_strings and not self.narrow_bounded_strings):
+            if view.narrowed or (view.bounded_strings and not self.narrow_bounded_strings) or prepared.deep_languages:
                 try:  # an engine exact on the whole schema first; xgrammar's narrowed grammar is the fallback
                     return self.llguidance.compile(prepared, policy="refuse")
                 except (ConstraintError, ImportError, ValueError):

@@ -32,6 +32,7 @@ import math
 
 from neuron_constrain.structured.schema import patterns, rewrite as rewrite
 from neuron_constrain.structured.schema.algebra import caps, lookaround
+from neuron_constrain.structured.schema.algebra.automata import fold
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
 # Python's own JSON reader and writer, copy.deepcopy and jsonschema recurse once or twice per level:
@@ -335,17 +336,7 @@ def pattern_cost(tree) -> PatternCost:
 
     Returns:
         The cost of the pattern the tree is."""
-    done: dict[int, PatternCost] = {}
-    stack = [(tree, False)]
-    while stack:
-        node, expanded = stack.pop()
-        children = node[1] if node[0] in ("seq", "alt") else (node[1],) if node[0] == "repeat" else ()
-        if not expanded and children:
-            stack.append((node, True))
-            stack.extend((child, False) for child in children)
-            continue
-        done[id(node)] = _cost(node, [done[id(child)] for child in children])
-    return done[id(tree)]
+    return fold(tree, _cost)
 
 
 def _cost(node, parts: list) -> PatternCost:

@@ -27,6 +27,7 @@ from typing import Any
 
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.schema import algebra, item_plan, keywords, limits as limits_, satisfiable
+from neuron_constrain.structured.schema.algebra import lookaround
 
 STEPS: collections.Counter = collections.Counter()  # step name -> times run in this process (tests read it)
 
@@ -80,6 +81,23 @@ class Prepared:
     @property
     def kind(self) -> str:
         return self.constraint.kind
+
+    @functools.cached_property
+    def deep_languages(self) -> tuple[str, ...]:
+        """JSON pointers (``#`` for a regex constraint) of the patterns whose language was built by automata and
+        nests deeper than xgrammar compiles well (``lookaround.built_deep``): ``auto`` tries llguidance first."""
+        if self.kind == "regex":
+            return ("#",) if lookaround.built_deep(self.constraint.spec, search=False) else ()
+        if self.kind != "json_schema":
+            return ()
+        found = []
+        for path, node in keywords.walk(self.schema):
+            sources = [(f"{path}/pattern", node.get("pattern"))]
+            if isinstance(node.get("patternProperties"), dict):
+                sources += [(f"{path}/patternProperties", name) for name in node["patternProperties"]]
+            found += [where for where, source in sources
+                      if isinstance(source, str) and lookaround.built_deep(source, search=True)]
+        return tuple(found)
 
     def view(self, engine) -> EngineView:
         """``engine``'s view (its name or ``keywords.Allowlist``), computed the first time it is asked for; a

@@ -349,23 +349,28 @@ def atom_span(lows: list[int], ranges) -> list[int]:
 
 
 # --------------------------------------------------------------------------- trees
-def written_size(tree) -> int:
-    """The items (set ranges, groups, counts) ``tree`` holds written out: a subtree state elimination
-    shares is written each time it is used; measured once per shared subtree, without writing it."""
-    sizes: dict[int, int] = {}
+def fold(tree, combine):
+    """``combine(node, [its children's values])`` from the leaves up, iteratively (no recursion), each shared
+    subtree once (state elimination shares them): the root's value."""
+    values: dict[int, object] = {}
     stack = [(tree, False)]
     while stack:
         node, expanded = stack.pop()
-        if id(node) in sizes:
+        if id(node) in values:
             continue
         children = node[1] if node[0] in ("seq", "alt") else (node[1],) if node[0] == "repeat" else ()
         if not expanded and children:
             stack.append((node, True))
-            stack.extend((child, False) for child in children if id(child) not in sizes)
+            stack.extend((child, False) for child in children if id(child) not in values)
             continue
-        own = len(node[1]) if node[0] == "chars" else 1
-        sizes[id(node)] = own + sum(sizes[id(child)] for child in children)
-    return sizes[id(tree)]
+        values[id(node)] = combine(node, [values[id(child)] for child in children])
+    return values[id(tree)]
+
+
+def written_size(tree) -> int:
+    """The items (set ranges, groups, counts) ``tree`` holds written out: a subtree state elimination
+    shares is written each time it is used; measured once per shared subtree, without writing it."""
+    return fold(tree, lambda node, sizes: (len(node[1]) if node[0] == "chars" else 1) + sum(sizes))
 
 
 def _items(node) -> list:

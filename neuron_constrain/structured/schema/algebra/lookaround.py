@@ -31,7 +31,7 @@ import threading
 
 from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.schema import patterns
-from neuron_constrain.structured.schema.algebra.automata import Dfa, Nfa, atom_span, atoms, written_size
+from neuron_constrain.structured.schema.algebra.automata import Dfa, Nfa, atom_span, atoms, fold, written_size
 from neuron_constrain.structured.schema.algebra.caps import Over, Work, over
 from neuron_constrain.structured.schema.code_points import ANY, shorthand
 
@@ -96,6 +96,28 @@ def language(pattern: patterns.Pattern, *, search: bool):
         while len(_BUILT) > _BUILT_KEPT:
             _BUILT.popitem(last=False)  # the oldest built
     return built
+
+
+DEEP = 32  # nesting levels of a built language past which xgrammar's compiled grammar grows quadratically
+
+
+def built_deep(source: str, *, search: bool) -> bool:
+    """Whether ``source``'s language had to be built by automata (lookarounds, ``\\b``, inner anchors) and its
+    tree, written back by state elimination, nests more than :data:`DEEP` levels: ``(?=.*\\d)[a-z\\d]{8,64}``
+    nests 118. xgrammar makes a rule of every level and keeps a copy of the whole automaton per rule in its
+    compiled grammar (0.7 GB of JSON for that one, where its compile took 0.3 s); llguidance reads the same
+    text lazily. False for a pattern that does not parse, holds a refused feature or that :func:`language` refuses
+    (the policy names each)."""
+    try:
+        pattern = patterns.parse(source)
+        if any(f.refused and f.name != patterns.CONTROLS_WITHOUT_ESCAPES for f in pattern.features):
+            return False  # a feature no engine enforces (a back-reference): the policy names it
+        if not has_assertion(patterns.full_match(pattern, search=search) or ("seq", ())):
+            return False
+        tree = language(pattern, search=search)
+    except ConstraintError:
+        return False
+    return tree is not None and fold(tree, lambda node, levels: 1 + max(levels, default=0)) > DEEP
 
 
 def dfa(trees: list, work: Work | None = None) -> Dfa:
