@@ -145,12 +145,43 @@ def test_past_the_automaton_cap_a_pattern_is_refused_by_name(engines):
             engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
 
 
-# a real URL pattern (SchemaStore's dein.json): `{1,256}` then `\b`, each DFA state a large subset; and a drawn
-# one whose automaton is small but whose tree, written out for an engine, is millions of characters
+# a real URL pattern (SchemaStore's dein.json): `{1,256}` then `\b`, each DFA state a large subset
 _COSTLY = {
     "url": r"^https?:\/\/(www\.)?[-a-zA-Z0-9@:%._\+~#=]{1,256}\.[a-zA-Z0-9()]{1,6}\b([-a-zA-Z0-9()@:%_\+.~#?&//=]*)$",
-    "written large": r"(?<!ab)\B(?:(?<!\d.)a?)+",
 }
+# automata of tens of states whose trees, written out as one expression, are millions of items or more
+_WRITTEN_LARGE = {
+    "no two dots": r"^(?!.*\.\.)[a-z.]{1,30}$",  # 60 states, 14 million items written
+    "hostname label": r"^(?!-)[a-z0-9-]{1,63}(?<!-)$",  # 125 states, 1.7e19 items written
+    "drawn": r"(?<!ab)\B(?:(?<!\d.)a?)+",
+}
+
+
+@pytest.mark.parametrize("pattern", _WRITTEN_LARGE.values(), ids=_WRITTEN_LARGE)
+def test_a_language_too_large_to_write_as_one_expression_is_exact_as_grammar_rules(engines, pattern):
+    """State elimination writes a lookaround beside a bounded repetition out exponentially; the automaton
+    itself is small. It is kept (``("automaton", dfa)``) and written for xgrammar as a rule per state: exact
+    against Python's re, as a schema pattern and as a regex; llguidance, which reads one expression, refuses
+    it by name, naming the engine that takes it; ``auto`` compiles it on xgrammar."""
+    built = language(P.parse(pattern), search=True)
+    assert built[0] == "automaton" and len(built[1].live()) < CAPS["automaton_states"]
+    with pytest.raises(S.ConstraintError, match=r"CAPS\['automaton_work'\].*engine='xgrammar'"):
+        engines["llguidance"].compile(S.json_schema({"type": "string", "pattern": pattern}))
+    auto = E.AutoEngine(engines["xgrammar"].tokenizer)
+    referee, draw = re.compile(pattern), __import__("random").Random(7)
+    strings = ["a", "ab", "a.b", "a..b", "-ab", "ab-", "a-b", "x" * 63, "x" * 64, "1a", "", "a" * 30 + "."]
+    strings += ["".join(draw.choice("ab.-1 ") for _ in range(draw.randint(0, 40))) for _ in range(60)]
+    for engine in (engines["xgrammar"], auto):
+        as_schema = engine.compile(S.json_schema({"type": "string", "pattern": pattern}))
+        assert as_schema.engine == "xgrammar"
+        whole = None if referee.fullmatch("") is None and not any(map(referee.fullmatch, strings)) else \
+            engine.compile(S.regex(pattern))
+        for text in strings:
+            took = force(engine, as_schema, engine.tokenizer.encode(json.dumps(text)))
+            assert took == (referee.search(text) is not None), (pattern, text)
+            if whole is not None and text:
+                assert force(engine, whole, engine.tokenizer.encode(text)) == (referee.fullmatch(text) is not None), \
+                    (pattern, text)
 
 
 @pytest.mark.parametrize("pattern", _COSTLY.values(), ids=_COSTLY)

@@ -2,17 +2,25 @@
 
     to_regex(parse(p), search=True, anchored=True)   # llguidance's JSON-schema patterns: ^(?:...)$
     to_regex(parse(p), search=False, anchored=False) # regex constraints, on every engine
-    to_ebnf(parse(p), search=True, json=True)        # xgrammar's JSON-schema patterns, over the escaped text
+    to_ebnf(parse(p), search=True, json=True, rules=r, prefix="p0s")  # xgrammar's JSON-schema patterns, over
+                                                     # the escaped text (r: rules an automaton's states need)
+    constraint_rules(source, "xgrammar")             # a regex constraint as a whole EBNF grammar, or None
 
 Only sets (every non-alphanumeric character written by code point: ``\\u{2d}``, ``\\U0000002d``),
 groups, alternation and counted repetition are written: the syntax both engines read the same
 way (``patterns.py`` says why nothing is passed through as written). xgrammar matches a
 JSON-schema pattern against the text between the quotes as written, escapes included, so its
 EBNF spells each character a JSON string escapes (``"``, ``\\``, U+0000-U+001F) as that escape.
+
+A language built by automata that would be too large written as one expression
+(``lookaround.language`` returns ``("automaton", dfa)``: a lookaround beside a bounded repetition,
+``^(?!-)[a-z0-9-]{1,63}(?<!-)$``) has no regex text here (``to_regex`` refuses it by name); in EBNF it
+is written as rules, one per live state (``name_s ::= [set] name_t | ... | ""``), linear in its size.
 """
 from __future__ import annotations
 
 from neuron_constrain.structured.constraints import ConstraintError
+from neuron_constrain.structured.schema.algebra.automata import joined
 from neuron_constrain.structured.schema.code_points import complement, subtract
 from neuron_constrain.structured.schema.algebra.lookaround import language
 from neuron_constrain.structured.schema.patterns import CONTROLS_WITHOUT_ESCAPES, Pattern, parse
@@ -68,12 +76,29 @@ def _regex(node) -> str:
     return (inner if single else f"(?:{inner})") + _count(node[2], node[3])
 
 
-def to_regex(pattern: Pattern, *, search: bool, anchored: bool) -> str:
-    """The pattern in the plain syntax (sets written by code point, ``(?:)`` groups, counted repeats),
-    matched against the whole text (``anchored`` adds ``^...$`` for an engine that searches)."""
+def _built(pattern: Pattern, search: bool):
     tree = language(pattern, search=search)
     if tree is None:
         raise ConstraintError(f"the pattern {pattern.source!r} matches no string; fix the pattern")
+    return tree
+
+
+def _unwritable(pattern: Pattern) -> ConstraintError:
+    refusal = ConstraintError(
+        f"the pattern {pattern.source!r} is regular, but written as one regular expression it would pass "
+        "`algebra.CAPS['automaton_work']` (its lookarounds, word boundaries or anchors beside a bounded "
+        "repetition); xgrammar takes it as grammar rules: use engine='xgrammar' or 'auto'")
+    refusal.cap = "automaton_work"
+    return refusal
+
+
+def to_regex(pattern: Pattern, *, search: bool, anchored: bool) -> str:
+    """The pattern in the plain syntax (sets written by code point, ``(?:)`` groups, counted repeats),
+    matched against the whole text (``anchored`` adds ``^...$`` for an engine that searches);
+    :class:`ConstraintError` for a language kept as an automaton."""
+    tree = _built(pattern, search)
+    if tree[0] == "automaton":
+        raise _unwritable(pattern)
     body = _regex(tree)
     return f"^(?:{body})$" if anchored else body
 
@@ -141,13 +166,43 @@ def _ebnf(node, json: bool) -> str:
         f"{inner}{{{lo},{-1 if hi is None else hi}}}"
 
 
-def to_ebnf(pattern: Pattern, *, search: bool, json: bool) -> str:
+def to_ebnf(pattern: Pattern, *, search: bool, json: bool, rules: dict | None = None, prefix: str = "p") -> str:
     """The pattern as one xgrammar EBNF expression matched against the whole text; ``json``: over
-    the text a JSON string writes (``"`` as ``\\"``, a newline as ``\\n`` or ``\\u000a``, ...)."""
-    tree = language(pattern, search=search)
-    if tree is None:
-        raise ConstraintError(f"the pattern {pattern.source!r} matches no string; fix the pattern")
-    return _ebnf(tree, json)
+    the text a JSON string writes (``"`` as ``\\"``, a newline as ``\\n`` or ``\\u000a``, ...).
+    A language kept as an automaton is the name of its start rule, its rules (one per live state,
+    named ``prefix`` + the state) added to ``rules`` (name -> body); :class:`ConstraintError` without
+    ``rules``."""
+    tree = _built(pattern, search)
+    if tree[0] != "automaton":
+        return _ebnf(tree, json)
+    if rules is None:
+        raise _unwritable(pattern)
+    automaton = tree[1]
+    live = automaton.live()
+    for state in sorted(live):
+        by_target: dict = {}
+        for atom, target in enumerate(automaton.moves[state]):
+            if target in live:
+                by_target.setdefault(target, []).append(automaton.atoms[atom])
+        branches = [f"{_ebnf_set(joined(ranges), json)} {prefix}{target}" for target, ranges in by_target.items()]
+        rules[f"{prefix}{state}"] = " | ".join(branches + (['""'] if state in automaton.accepting else []))
+    return f"{prefix}0"
+
+
+def constraint_rules(source: str, engine: str, enforced: frozenset = frozenset()) -> str | None:
+    """A ``regex(...)`` constraint whose language is kept as an automaton, as a whole xgrammar EBNF
+    grammar (``root`` and a rule per state); None for every other regex (``constraint_regex``'s text
+    serves). Refusals as :func:`constraint_regex`'s."""
+    try:
+        pattern = parse(source)
+        refusal = pattern.refusal(enforced | {CONTROLS_WITHOUT_ESCAPES})
+        if refusal is not None or _built(pattern, False)[0] != "automaton":
+            return None
+        rules: dict = {}
+        start = to_ebnf(pattern, search=False, json=False, rules=rules, prefix="state")
+        return "\n".join([f"root ::= {start}", *(f"{name} ::= {body}" for name, body in rules.items())])
+    except ConstraintError as error:
+        raise ConstraintError(f"{engine} refused this regex constraint: {error}") from None
 
 
 def constraint_regex(source: str, engine: str, enforced: frozenset = frozenset()) -> str:

@@ -26,7 +26,7 @@ import xgrammar as xgr
 from neuron_constrain.structured.engines.xgrammar import integers
 from neuron_constrain.structured.schema import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
-from neuron_constrain.structured.schema.pattern_text import constraint_regex, to_ebnf
+from neuron_constrain.structured.schema.pattern_text import constraint_regex, constraint_rules, to_ebnf
 
 # xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this
 # class, which admits raw control characters (invalid JSON: "\x06" inside a string).
@@ -124,7 +124,7 @@ def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xg
         if constraint.kind == "json":
             return compiler.compile_builtin_json_grammar()
         if constraint.kind == "regex":
-            return compiler.compile_grammar(reported(xgr.Grammar.from_regex, constraint_regex(constraint.spec, "xgrammar")))
+            return compiler.compile_grammar(regex_grammar(constraint.spec))
         if constraint.kind in ("choice", "ebnf"):
             return compiler.compile_grammar(reported(xgr.Grammar.from_ebnf, constraint.grammar_text()))
         if constraint.kind == "structural_tag":
@@ -143,10 +143,12 @@ class _Markers:
     """Each pattern of a schema replaced by a marker while xgrammar converts it, then the marker's rule
     body replaced by the pattern as EBNF over the JSON-escaped text (``pattern_text.to_ebnf``).
     xgrammar's own reading of a pattern is wrong in several ways (``patterns.py``); the markers
-    let it place the rules."""
+    let it place the rules. A pattern kept as an automaton adds a rule per state (``rules``, appended to
+    the grammar by :meth:`substitute`)."""
 
     def __init__(self):
         self.bodies: dict[str, str] = {}
+        self.rules: dict[str, str] = {}
         self._by_source: dict[str, str] = {}
 
     def _mark(self, source: str) -> str | None:
@@ -155,7 +157,8 @@ class _Markers:
             return None  # the policy listed it as unenforced (unenforced="allow")
         if source not in self._by_source:
             self._by_source[source] = marker = f"^{_MARKER.format(len(self._by_source))}$"
-            self.bodies[marker] = to_ebnf(pattern, search=True, json=True)
+            self.bodies[marker] = to_ebnf(pattern, search=True, json=True, rules=self.rules,
+                                          prefix=f"ncpattern{len(self._by_source) - 1}s")
         return self._by_source[source]
 
     def schema(self, schema):
@@ -178,7 +181,8 @@ class _Markers:
                 raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
                                       "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
             text = text.replace(rule, body)
-        return text
+        return "\n".join([text.rstrip("\n"), *(f"{name} ::= {body}" for name, body in self.rules.items())]) \
+            if self.rules else text
 
 
 def schema_grammar(constraint: Constraint) -> xgr.Grammar:
@@ -215,12 +219,21 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     return grammar if fixed == str(grammar) else xgr.Grammar.from_ebnf(fixed)
 
 
+def regex_grammar(spec: str) -> xgr.Grammar:
+    """A regex constraint's grammar: xgrammar's reading of the library's plain text, or, for a language kept
+    as an automaton (too large as one expression), the library's rules, a state each."""
+    rules = constraint_rules(spec, "xgrammar")
+    if rules is not None:
+        return reported(xgr.Grammar.from_ebnf, rules)
+    return reported(xgr.Grammar.from_regex, constraint_regex(spec, "xgrammar"))
+
+
 def parse_constraint(constraint: Constraint) -> None:
     """Raise :class:`ConstraintError` now if a regex / choice / EBNF is malformed: xgrammar's
     parser needs no vocabulary and takes microseconds; the token-mask compilation is what is slow."""
     try:
         if constraint.kind == "regex":
-            reported(xgr.Grammar.from_regex, constraint_regex(constraint.spec, "xgrammar"))
+            regex_grammar(constraint.spec)
         elif constraint.kind in ("choice", "ebnf"):
             reported(xgr.Grammar.from_ebnf, constraint.grammar_text())
     except Exception as error:

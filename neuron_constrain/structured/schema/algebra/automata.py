@@ -205,7 +205,7 @@ class Dfa:
 
     def expression(self):
         """The language as a pattern tree (state elimination), or None when it is empty."""
-        live = self._live()
+        live = self.live()
         if 0 not in live:
             return None
         self.work.spend(len(live) * len(self.atoms))
@@ -217,7 +217,7 @@ class Dfa:
                 if target in live:
                     by_target[target].append(self.atoms[atom])
             for target, ranges in by_target.items():
-                edges[state][target] = ("chars", _joined(ranges))
+                edges[state][target] = ("chars", joined(ranges))
             if state in self.accepting:
                 edges[state][final] = EMPTY
         edges[start][0] = EMPTY
@@ -262,7 +262,7 @@ class Dfa:
                     queue.append(target)
         return depth
 
-    def _live(self) -> set[int]:
+    def live(self) -> set[int]:
         """The states from which an accepting state is reachable."""
         backward = collections.defaultdict(set)
         for state, row in enumerate(self.moves):
@@ -330,7 +330,7 @@ def atoms(labels) -> list[tuple[int, int]]:
     return [(low, nxt - 1) for low, nxt in zip(cuts, cuts[1:]) if not (low >= 0xD800 and nxt - 1 <= 0xDFFF)]
 
 
-def _joined(ranges: list) -> tuple:
+def joined(ranges: list) -> tuple:
     """Atoms in order (sorted, disjoint, no surrogates) as ``normalize`` writes them: neighbours joined."""
     out: list = []
     for low, high in ranges:

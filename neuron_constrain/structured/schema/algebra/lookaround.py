@@ -65,7 +65,11 @@ def language(pattern: patterns.Pattern, *, search: bool):
         search: read it as a search (JSON Schema's ``pattern``) rather than a full match.
 
     Returns:
-        The plain tree, or None when no string matches (the last 256 built are kept).
+        The plain tree, or None when no string matches (the last 256 built are kept); or
+        ``("automaton", dfa)`` where the automaton was built within the caps but its tree, written out
+        as one expression, would pass ``CAPS["automaton_work"]`` (state elimination of a lookaround beside
+        a bounded repetition: ``^(?!.*\\.\\.)[a-z.]{1,30}$`` writes 14 million items from 60 states).
+        ``pattern_text`` writes it as grammar rules, a state each, for xgrammar; a regex engine refuses it.
 
     Raises:
         ConstraintError: the automaton would pass a cap (``CAPS``), named with its value and
@@ -80,9 +84,15 @@ def language(pattern: patterns.Pattern, *, search: bool):
         return tree
     counted = Work()
     try:
-        built = dfa([tree], counted).minimal().expression()
-        if built is not None:  # what an engine reads: a tree whose shared parts write out large costs it
-            counted.spend(written_size(built))
+        automaton = dfa([tree], counted).minimal()
+        try:
+            built = automaton.expression()
+            if built is not None:  # what an engine reads: a tree whose shared parts write out large costs it
+                counted.spend(written_size(built))
+        except Over as passed:
+            if passed.cap != "automaton_work":
+                raise
+            built = ("automaton", automaton)  # too large as one expression: kept whole (grammar rules, a state each)
     except Over as passed:
         needs = f"more than {passed.maximum} {passed.cap.replace('_', ' ')}" if passed.cap != "automaton_work" else \
             f"more than {passed.maximum} steps of automaton work"
