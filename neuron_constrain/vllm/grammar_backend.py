@@ -76,7 +76,8 @@ class _Budget:
 
     nc_failure: str | None = None
     nc_budget_ended: bool = False
-    nc_slow: bool = False  # one fill took a quarter of the budget: its fills are timed in CPU time from now on
+    nc_slow: bool = False  # one fill took a quarter of the budget by the clock: its work is timed in CPU time from now on
+    nc_costly: bool = False  # and one token's work took a quarter of the budget in CPU time (not the host's load)
     nc_strikes: int = 0  # tokens past the budget in a row (fill_budget.STRIKES of them end the request)
     nc_accepting: float = 0.0  # CPU seconds of the accepts since the last fill (a slow grammar's)
     nc_budget: float = float("inf")
@@ -92,6 +93,7 @@ class _Budget:
         fill(bitmask, idx)
         seconds = time.thread_time() - start + self.nc_accepting
         self.nc_accepting = 0.0
+        self.nc_costly = self.nc_costly or seconds > self.nc_budget / 4
         if seconds <= self.nc_budget or self.nc_failure is not None:
             self.nc_strikes = 0
             return

@@ -20,8 +20,8 @@ engine-core process, where vLLM's grammars live:
   event for a stream, counted by vLLM's ``/metrics`` as
   ``vllm:request_success_total{finished_reason="error"}`` — never as a valid-looking answer.
   Structural tags (``tool_choice="auto"``: free text with tool calls inside) are not checked
-  here; their calls are parsed by vLLM's tool parser. Nor is the answer of an EBNF grammar whose fills
-  were slow (``unchecked_outputs``): its referee, xgrammar again, would redo the whole answer's work on
+  here; their calls are parsed by vLLM's tool parser. Nor is the answer of an EBNF grammar whose work for a
+  token took a quarter of ``fill_ms`` in CPU time (``unchecked_outputs``): its referee, xgrammar again, would redo the whole answer's work on
   the step loop. With ``--reasoning-parser`` the
   grammar starts after the thought (vLLM's manager), so what is checked is the answer, the
   tokens the grammar read; a request whose thought never ended has no answer to check.
@@ -121,10 +121,11 @@ class NeuronConstrainScheduler(Scheduler):
         grammar = request.structured_output_request.grammar
         constraint = getattr(grammar, "nc_constraint", None)
         backend = self.library_backend
-        if constraint is None or backend is None or (constraint.kind == "ebnf" and getattr(grammar, "nc_slow", False)):
-            # an EBNF answer's referee is a fresh xgrammar matcher: for a slow grammar (an ambiguous one's work
-            # grows with its text) it would redo every accept of the answer here, on the step loop (0.8 s for
-            # bench_hostile's `ambiguous_ebnf`), where the request's own matcher already took each token
+        if constraint is None or backend is None or (constraint.kind == "ebnf" and getattr(grammar, "nc_costly", False)):
+            # an EBNF answer's referee is a fresh xgrammar matcher: for a costly grammar (a token's work past a
+            # quarter of the budget in CPU time: an ambiguous one's grows with its text) it would redo every
+            # accept here, on the step loop (0.8 s for bench_hostile's `ambiguous_ebnf`), where the request's
+            # own matcher already took each token
             with self._counters_lock:
                 self.output_counters["unchecked_outputs"] += 1
             return

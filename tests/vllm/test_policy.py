@@ -163,8 +163,8 @@ def test_a_slow_grammar_s_work_per_token_ends_it_with_each_fill_run_once(slow):
         return None, bitmask
 
     fast = Grammar(0.0, 0.0)
-    assert run(fast, 20)[0] is None and not fast.nc_slow and fast.fills == 20
+    assert run(fast, 20)[0] is None and not fast.nc_costly and fast.fills == 20  # (the clock may call it slow on a busy host)
     costly = Grammar(0.015, 0.0) if slow == "fill" else Grammar(0.004, 0.012)
     step, bitmask = run(costly, 20)
     assert step is not None and step <= STRIKES + 1 and costly.fills == step + 1, (step, costly.fills)
-    assert bitmask[0].tolist() == costly.nc_stops.tolist() and costly.nc_failure is None
+    assert bitmask[0].tolist() == costly.nc_stops.tolist() and costly.nc_failure is None and costly.nc_costly
