@@ -167,11 +167,11 @@ def admitted(so, limits) -> bool:
         return False  # refused: the verdict's own 400 comes first (add_request); vLLM's check is not needed
 
 
-def _defer_vllm_json_check() -> None:
-    """vLLM's front end validates a JSON schema with xgrammar's feature list, a regex with xgrammar's parser (``validate_xgrammar_grammar``:
-    the plugin's servers name the xgrammar backend) before the plugin's ``validate_params``; for a schema or regex the
-    library admitted, the library's verdict is the one that counts. Wrapped once, at module level: vLLM imports
-    it inside the functions that call it."""
+def _defer_vllm_check() -> None:
+    """vLLM's front end validates a JSON schema with xgrammar's feature list and a regex with xgrammar's parser
+    (``validate_xgrammar_grammar``: the plugin's servers name the xgrammar backend) before the plugin's
+    ``validate_params``; for a schema or regex the library admitted, the library's verdict is the one that counts.
+    Wrapped once, at module level: vLLM imports it inside the functions that call it."""
     from vllm.v1.structured_output import backend_xgrammar
 
     original = backend_xgrammar.validate_xgrammar_grammar
@@ -194,7 +194,7 @@ def install() -> None:
     before vLLM reads it, and vLLM's own xgrammar check defers to that verdict (idempotent)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    _defer_vllm_json_check()
+    _defer_vllm_check()
     with _INSTALL:
         original = AsyncLLM.add_request
         if getattr(original, "neuron_constrain_admission", False):

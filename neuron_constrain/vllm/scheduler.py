@@ -21,8 +21,8 @@ engine-core process, where vLLM's grammars live:
   ``vllm:request_success_total{finished_reason="error"}`` — never as a valid-looking answer.
   Structural tags (``tool_choice="auto"``: free text with tool calls inside) are not checked
   here; their calls are parsed by vLLM's tool parser. Nor is the answer of an EBNF grammar whose work for a
-  token took a quarter of ``fill_ms`` in CPU time (``unchecked_outputs``): its referee, xgrammar again, would redo the whole answer's work on
-  the step loop. With ``--reasoning-parser`` the
+  token took a quarter of ``fill_ms`` in CPU time (``unchecked_outputs``): its referee, xgrammar again,
+  would redo the whole answer's work on the step loop. With ``--reasoning-parser`` the
   grammar starts after the thought (vLLM's manager), so what is checked is the answer, the
   tokens the grammar read; a request whose thought never ended has no answer to check.
 * **Bounded work per request.** Grammars compile on two lanes by size (``structured/runtime/lanes.py``,

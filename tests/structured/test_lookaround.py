@@ -8,6 +8,7 @@ the library's own tree; the complement of such a pattern; the caps and the forms
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -21,6 +22,7 @@ from neuron_constrain.structured.schema.algebra import lookaround, regular
 from neuron_constrain.structured.schema.algebra.automata import written_size
 from neuron_constrain.structured.schema.algebra.caps import CAPS, CapReached, Over, Work
 from neuron_constrain.structured.schema.algebra.lookaround import language
+from neuron_constrain.structured.schema.pattern_text import constraint_rules
 from neuron_constrain.testing import toy_tokenizer
 from neuron_constrain.testing.lookaround_patterns import LOOKAROUND_PATTERNS, lookaround_cases
 from neuron_constrain.testing.vocabulary import force
@@ -168,7 +170,7 @@ def test_a_language_too_large_to_write_as_one_expression_is_exact_as_grammar_rul
     with pytest.raises(S.ConstraintError, match=r"CAPS\['automaton_work'\].*engine='xgrammar'"):
         engines["llguidance"].compile(S.json_schema({"type": "string", "pattern": pattern}))
     auto = E.AutoEngine(engines["xgrammar"].tokenizer)
-    referee, draw = re.compile(pattern), __import__("random").Random(7)
+    referee, draw = re.compile(pattern), random.Random(7)
     strings = ["a", "ab", "a.b", "a..b", "-ab", "ab-", "a-b", "x" * 63, "x" * 64, "1a", "", "a" * 30 + "."]
     strings += ["".join(draw.choice("ab.-1 ") for _ in range(draw.randint(0, 40))) for _ in range(60)]
     for engine in (engines["xgrammar"], auto):
@@ -176,6 +178,7 @@ def test_a_language_too_large_to_write_as_one_expression_is_exact_as_grammar_rul
         assert as_schema.engine == "xgrammar"
         whole = None if referee.fullmatch("") is None and not any(map(referee.fullmatch, strings)) else \
             engine.compile(S.regex(pattern))
+        assert whole is None or constraint_rules(pattern, "xgrammar") is not None  # the regex as rules too
         for text in strings:
             took = force(engine, as_schema, engine.tokenizer.encode(json.dumps(text)))
             assert took == (referee.search(text) is not None), (pattern, text)

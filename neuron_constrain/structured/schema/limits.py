@@ -282,7 +282,7 @@ def _pattern(pattern: str, where: str, limits: Limits) -> None:
 def _built(pattern: patterns.Pattern, where: str) -> None:
     """A schema pattern's language built (lookarounds, ``\\b``, inner anchors: by automata, kept for the
     engines), or :class:`caps.CapReached` naming the cap, the pattern and ``where`` (its JSON pointer)."""
-    if any(f.refused and f.name != patterns.CONTROLS_WITHOUT_ESCAPES for f in pattern.features):
+    if pattern.refusal({patterns.CONTROLS_WITHOUT_ESCAPES}) is not None:
         return  # a feature no engine enforces: the policy names it
     try:
         lookaround.language(pattern, search=True)

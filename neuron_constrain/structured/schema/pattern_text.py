@@ -189,18 +189,32 @@ def to_ebnf(pattern: Pattern, *, search: bool, json: bool, rules: dict | None = 
     return f"{prefix}0"
 
 
+def ebnf_rules(rules: dict) -> str:
+    """``rules`` (name -> body) as EBNF lines."""
+    return "\n".join(f"{name} ::= {body}" for name, body in rules.items())
+
+
+def _regex_pattern(source: str, enforced: frozenset) -> Pattern:
+    """A ``regex(...)`` constraint's pattern, or its refusal. Matched against the raw output: no JSON escapes
+    for a set without the quote to confuse."""
+    pattern = parse(source)
+    refusal = pattern.refusal(enforced | {CONTROLS_WITHOUT_ESCAPES})
+    if refusal is not None:
+        raise refusal
+    return pattern
+
+
 def constraint_rules(source: str, engine: str, enforced: frozenset = frozenset()) -> str | None:
     """A ``regex(...)`` constraint whose language is kept as an automaton, as a whole xgrammar EBNF
     grammar (``root`` and a rule per state); None for every other regex (``constraint_regex``'s text
     serves). Refusals as :func:`constraint_regex`'s."""
     try:
-        pattern = parse(source)
-        refusal = pattern.refusal(enforced | {CONTROLS_WITHOUT_ESCAPES})
-        if refusal is not None or _built(pattern, False)[0] != "automaton":
+        pattern = _regex_pattern(source, enforced)
+        if _built(pattern, False)[0] != "automaton":
             return None
         rules: dict = {}
         start = to_ebnf(pattern, search=False, json=False, rules=rules, prefix="state")
-        return "\n".join([f"root ::= {start}", *(f"{name} ::= {body}" for name, body in rules.items())])
+        return f"root ::= {start}\n{ebnf_rules(rules)}"
     except ConstraintError as error:
         raise ConstraintError(f"{engine} refused this regex constraint: {error}") from None
 
@@ -209,11 +223,6 @@ def constraint_regex(source: str, engine: str, enforced: frozenset = frozenset()
     """A ``regex(...)`` constraint as ``engine`` gets it (the whole output must match): the plain text,
     or :class:`ConstraintError` naming a refused feature the engine does not enforce (``enforced``)."""
     try:
-        pattern = parse(source)
-        # matched against the raw output: no JSON escapes for a set without the quote to confuse
-        refusal = pattern.refusal(enforced | {CONTROLS_WITHOUT_ESCAPES})
-        if refusal is not None:
-            raise refusal
-        return to_regex(pattern, search=False, anchored=False)
+        return to_regex(_regex_pattern(source, enforced), search=False, anchored=False)
     except ConstraintError as error:
         raise ConstraintError(f"{engine} refused this regex constraint: {error}") from None

@@ -26,7 +26,7 @@ import xgrammar as xgr
 from neuron_constrain.structured.engines.xgrammar import integers
 from neuron_constrain.structured.schema import keywords, patterns
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
-from neuron_constrain.structured.schema.pattern_text import constraint_regex, constraint_rules, to_ebnf
+from neuron_constrain.structured.schema.pattern_text import constraint_regex, constraint_rules, ebnf_rules, to_ebnf
 
 # xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this
 # class, which admits raw control characters (invalid JSON: "\x06" inside a string).
@@ -181,8 +181,7 @@ class _Markers:
                 raise ConstraintError("xgrammar dropped a `pattern` of this schema (beside a keyword it compiles "
                                       "instead); refused on xgrammar: use engine='llguidance' or 'auto'")
             text = text.replace(rule, body)
-        return "\n".join([text.rstrip("\n"), *(f"{name} ::= {body}" for name, body in self.rules.items())]) \
-            if self.rules else text
+        return f"{text.rstrip()}\n{ebnf_rules(self.rules)}" if self.rules else text
 
 
 def schema_grammar(constraint: Constraint) -> xgr.Grammar:

@@ -120,7 +120,7 @@ def built_deep(source: str, *, search: bool) -> bool:
     (the policy names each)."""
     try:
         pattern = patterns.parse(source)
-        if any(f.refused and f.name != patterns.CONTROLS_WITHOUT_ESCAPES for f in pattern.features):
+        if pattern.refusal({patterns.CONTROLS_WITHOUT_ESCAPES}) is not None:
             return False  # a feature no engine enforces (a back-reference): the policy names it
         if not has_assertion(patterns.full_match(pattern, search=search) or ("seq", ())):
             return False
