@@ -94,6 +94,40 @@ AGREE = [
 ]
 
 
+# Schemas recursing into their root, with texts Tekken writes with one token closing several nested values
+# (``]]``, ``}}}``, ``]}``): xgrammar 0.2.8's mask refused that token (its matcher took it) until the root was moved
+# into ``$defs`` (``grammars.root_as_definition``).
+ROOT_RECURSIVE = [
+    ({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"$ref": "#"}]}},
+     ["[[1]]", "[1, [2, [3]]]", "[[[]]]"], ['[["a"]]', "[[1, null]]"]),
+    ({"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False},
+     ['{"child": {"child": {}}}', '{"child": {"child": {"child": {}}}}'], ['{"child": {"other": {}}}']),
+    ({"$defs": {"leaf": {"type": "integer"}}, "type": "object", "additionalProperties": False,
+      "properties": {"v": {"$ref": "#/$defs/leaf"}, "kids": {"type": "array", "items": {"$ref": "#"}}}},
+     ['{"kids": [{"kids": [{"v": 1}]}]}', '{"kids": [{"kids": []}]}'], ['{"kids": [{"v": "1"}]}']),
+]
+
+
+@pytest.mark.parametrize("schema, valid, invalid", ROOT_RECURSIVE, ids=["array", "object", "beside-defs"])
+def test_recursion_into_the_root_masks_the_token_that_closes_nested_values(tekken, engines, schema, valid, invalid):
+    from jsonschema import Draft202012Validator
+    from neuron_constrain.structured.engines.xgrammar.grammars import root_as_definition
+
+    judge = Draft202012Validator(schema)
+    assert all(judge.is_valid(json.loads(t)) for t in valid) and not any(judge.is_valid(json.loads(t)) for t in invalid)
+    pieces = {tekken.decode([t]).strip() for text in valid for t in tekken.encode(text)}
+    assert pieces & {"]]", "}}}", "]}"}, pieces  # a token closing several values, as the model writes them
+    moved = root_as_definition(schema)
+    assert moved["$ref"] == "#/$defs/ncroot" and "$ref" not in json.dumps(moved["$defs"]["ncroot"]).replace(
+        '"$ref": "#/$defs/', "")
+    for name, engine in engines.items():
+        compiled = engine.compile(S.json_schema(schema))
+        assert all(force(engine, compiled, tekken.encode(t)) for t in valid), name
+        assert not any(force(engine, compiled, tekken.encode(t)) for t in invalid), name
+    plain = {"type": "array", "items": {"$ref": "#/$defs/n"}, "$defs": {"n": {"type": "integer"}}}
+    assert root_as_definition(plain) is plain  # no reference into the root: the schema as it was
+
+
 @pytest.mark.parametrize("schema, instance", AGREE, ids=[json.dumps(s)[:40] for s, _ in AGREE])
 def test_engines_masks_agree_row_by_row(tekken, engines, schema, instance):
     constraint = S.json_schema(schema)

@@ -275,3 +275,28 @@ def test_a_token_opening_and_closing_a_tracked_value_at_once_is_masked(auto, sch
     matcher, buffer = auto.matcher(compiled), torch.zeros((1, auto.width), dtype=torch.int32)
     assert auto.batch_fill([matcher], buffer, [0]) == []
     assert not _unpacked(buffer[0], auto.vocab_size)[token[0]] and not matcher.accept_token(token[0])
+
+
+@pytest.mark.parametrize("names, compiles", [
+    ({"pattern": "[a\\]]?"}, True), ({}, True), ({"maxLength": 2}, True),  # untyped: split by type before the fix
+    ({"anyOf": [{"pattern": "^a"}, {"maxLength": 1}]}, False), ({"$ref": "#/$defs/anything"}, False),
+])
+def test_a_name_is_written_as_a_string_whatever_its_schema_leaves_untyped(names, compiles):
+    """Found by bench_soundness: xgrammar writes a name from the ``propertyNames`` schema as a value, and the
+    untyped schema split by type (``values.split_types``) let a walk write ``{null: 1}``. After ``{`` only a
+    string (or the brace) may start; a shape it cannot type exactly is refused by name."""
+    xgrammar = E.make_engine("xgrammar", toy_tokenizer())
+    schema = {"type": "object", "propertyNames": names, "$defs": {"anything": {}}}
+    for strict in (False, True):
+        try:
+            compiled = xgrammar.compile(S.json_schema(schema, strict=strict, whitespace="none"))
+        except S.ConstraintError as refused:
+            assert not compiles and "xgrammar would not enforce" in str(refused)
+            continue
+        assert compiles
+        matcher, buffer = xgrammar.matcher(compiled), torch.zeros((1, xgrammar.width), dtype=torch.int32)
+        assert matcher.accept_token(xgrammar.tokenizer.encode("{")[0])
+        xgrammar.batch_fill([matcher], buffer, [0])
+        allowed = torch.nonzero(_unpacked(buffer[0], xgrammar.vocab_size)).flatten().tolist()
+        starts = {xgrammar.tokenizer.decode([token])[:1] for token in allowed}
+        assert starts <= {'"', "}"} and '"' in starts, sorted(starts)

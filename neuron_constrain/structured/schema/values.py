@@ -73,7 +73,11 @@ def _split(node: dict) -> list[dict] | None:
 def split_types(schema: dict, walk) -> None:
     """Every untyped or multi-typed node with keywords of some instance type split into one ``anyOf`` branch
     per type (the module docstring); in a typed node, keywords of types it does not declare are dropped.
-    ``walk``: ``rewrite.walk``."""
+    ``walk``: ``rewrite.walk``. A ``propertyNames`` schema judges names, which are strings: its nodes are typed
+    ``string`` first (an engine writing a name from it would write ``{null: 1}`` from a non-string branch)."""
+    for _, node in list(walk(schema)):
+        if isinstance(node.get("propertyNames"), dict):
+            _names_are_strings(node["propertyNames"], walk)
     for _, node in list(walk(schema)):
         typed = declared_types(node)
         if typed is not None and len(typed) == 1:
@@ -89,6 +93,17 @@ def split_types(schema: dict, walk) -> None:
         for key in [k for k in node if k in VOCABULARY]:
             del node[key]
         node["anyOf"] = branches
+
+
+def _names_are_strings(names: dict, walk) -> None:
+    """Each node of a ``propertyNames`` schema that is untyped, or typed ``string`` among others, typed ``string``
+    alone: the same names valid (a name is a string), and no branch of another type left to split. A ``$ref`` there
+    gets the type beside it too (its target may be shared with values of any type): an engine that drops a
+    sibling of ``$ref`` refuses it by the policy rather than write a name from a non-string branch."""
+    for _, node in list(walk(names)):
+        typed = declared_types(node)
+        if typed is None and "type" not in node or typed is not None and "string" in typed:
+            node["type"] = "string"
 
 
 def _as_schema(value, integral_numbers: bool):

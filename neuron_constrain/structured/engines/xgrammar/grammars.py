@@ -24,7 +24,7 @@ import weakref
 import xgrammar as xgr
 
 from neuron_constrain.structured.engines.xgrammar import integers
-from neuron_constrain.structured.schema import keywords, patterns
+from neuron_constrain.structured.schema import keywords, patterns, rewrite
 from neuron_constrain.structured.constraints import Constraint, ConstraintError, engine_message
 from neuron_constrain.structured.schema.pattern_text import constraint_regex, constraint_rules, ebnf_rules, to_ebnf
 
@@ -162,7 +162,8 @@ class _Markers:
         return self._by_source[source]
 
     def schema(self, schema):
-        return keywords.map_patterns(schema, self._mark) if isinstance(schema, dict) else schema
+        """``schema`` with its patterns marked, its root a definition where it is recursed into (:func:`root_as_definition`)."""
+        return keywords.map_patterns(root_as_definition(schema), self._mark) if isinstance(schema, dict) else schema
 
     def tag(self, node):
         """A structural tag with the patterns of the JSON schemas inside it marked."""
@@ -216,6 +217,38 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
         fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
     return grammar if fixed == str(grammar) else xgr.Grammar.from_ebnf(fixed)
+
+
+ROOT_DEFINITION = "ncroot"
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def root_as_definition(schema):
+    """``schema`` with its root moved into ``$defs`` where a ``$ref`` points into the root (``#``, ``#/items``):
+    the root then only refers to it. xgrammar 0.2.8's mask refuses a token that closes a value nested by
+    recursion into its ``root`` rule together with the value around it (SmolLM2's ``]]`` in ``[[1]]``,
+    ``}}}`` in ``{"a": {"a": {}}}``), though its matcher accepts it; recursion into any other rule is masked
+    right. A schema without such a reference is returned as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    pointers = [node["$ref"] for _, node in rewrite.walk(schema) if isinstance(node.get("$ref"), str)]
+    if not any(_into_root(ref) for ref in pointers):
+        return schema
+    copied = json.loads(json.dumps(schema))
+    name = ROOT_DEFINITION
+    while name in (copied.get("$defs") or {}):
+        name += "_"
+    for _, node in rewrite.walk(copied):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and _into_root(ref):
+            node["$ref"] = f"#/$defs/{name}{ref[1:]}"
+    body = {key: value for key, value in copied.items() if key not in _DEFINITIONS}
+    kept = {key: copied[key] for key in _DEFINITIONS if isinstance(copied.get(key), dict)}
+    return {**kept, "$defs": {**kept.get("$defs", {}), name: body}, "$ref": f"#/$defs/{name}"}
+
+
+def _into_root(ref: str) -> bool:
+    return ref == "#" or (ref.startswith("#/") and ref[2:].split("/", 1)[0] not in _DEFINITIONS)
 
 
 def regex_grammar(spec: str) -> xgr.Grammar:
