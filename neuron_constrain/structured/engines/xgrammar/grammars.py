@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import threading
+import urllib.parse
 import weakref
 
 import xgrammar as xgr
@@ -224,15 +225,15 @@ _DEFINITIONS = ("$defs", "definitions")
 
 
 def root_as_definition(schema):
-    """``schema`` with its root moved into ``$defs`` where a ``$ref`` points into the root (``#``, ``#/items``):
-    the root then only refers to it. xgrammar 0.2.8's mask refuses a token that closes a value nested by
-    recursion into its ``root`` rule together with the value around it (SmolLM2's ``]]`` in ``[[1]]``,
-    ``}}}`` in ``{"a": {"a": {}}}``), though its matcher accepts it; recursion into any other rule is masked
-    right. A schema without such a reference is returned as it is."""
+    """``schema`` with its root moved into ``$defs`` where a ``$ref`` is the root (``#``), the root then only
+    referring to it (the pointers into its body, ``#/items``, moved with it). xgrammar 0.2.8's mask refuses a
+    token that closes a value nested by recursion into its ``root`` rule together with the value around it
+    (SmolLM2's ``]]`` in ``[[1]]``, ``}}}`` in ``{"a": {"a": {}}}``), though its matcher accepts it; recursion
+    into any other rule is masked right. A schema without such a reference is returned as it is."""
     if not isinstance(schema, dict):
         return schema
     pointers = [node["$ref"] for _, node in rewrite.walk(schema) if isinstance(node.get("$ref"), str)]
-    if not any(_into_root(ref) for ref in pointers):
+    if "#" not in pointers:
         return schema
     copied = json.loads(json.dumps(schema))
     name = ROOT_DEFINITION
@@ -248,7 +249,9 @@ def root_as_definition(schema):
 
 
 def _into_root(ref: str) -> bool:
-    return ref == "#" or (ref.startswith("#/") and ref[2:].split("/", 1)[0] not in _DEFINITIONS)
+    """Whether ``ref`` points at the root or into its body (not into ``$defs``/``definitions``, spelled
+    percent-encoded or not)."""
+    return ref == "#" or (ref.startswith("#/") and urllib.parse.unquote(ref[2:].split("/", 1)[0]) not in _DEFINITIONS)
 
 
 def regex_grammar(spec: str) -> xgr.Grammar:
