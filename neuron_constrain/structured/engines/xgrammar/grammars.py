@@ -163,7 +163,8 @@ class _Markers:
         return self._by_source[source]
 
     def schema(self, schema):
-        """``schema`` with its patterns marked, its root a definition where it is recursed into (:func:`root_as_definition`)."""
+        """``schema`` with its patterns marked, its root a definition where a ``$ref`` recurses into it
+        (:func:`root_as_definition`)."""
         return keywords.map_patterns(root_as_definition(schema), self._mark) if isinstance(schema, dict) else schema
 
     def tag(self, node):
