@@ -112,7 +112,6 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows = {fmt: {n: measure(engines[n], fmt, cases, args.walks, vocabulary) for n in names}
             for fmt, cases in data.items()}
-    refused = {fmt: {n: [formats.refusal(fmt, "#/format").args[0]] for n in names} for fmt in formats.REFUSED}
     seconds = time.perf_counter() - started
     print(table(rows, names))
     print("cells: valid examples accepted, invalid examples accepted, drawn invalid accepted, walks judged valid")
@@ -120,9 +119,8 @@ def main(argv=None) -> int:
     for n in names:
         flag = "" if holes[n] == 0 else "   <-- SOUNDNESS HOLES"
         print(f"{n}: invalid accepted {holes[n]}{flag}")
-    print(f"refused by name on every engine: {', '.join(formats.REFUSED)}; "
-          f"the referee checks: {', '.join(f for f in data if formats.checked(f))}; {seconds:.0f} s")
-    write_results({"engines": names, "walks": args.walks, "rows": rows, "refused": refused,
+    print(f"the referee checks: {', '.join(f for f in data if formats.checked(f))}; {seconds:.0f} s")
+    write_results({"engines": names, "walks": args.walks, "rows": rows,
                    "checked": [f for f in data if formats.checked(f)], "invalid_accepted": holes,
                    "seconds": seconds}, args.json)
     return 0

@@ -42,6 +42,7 @@ class Constraint:
         validate: tool formats: ``text -> None | reason``, the check of a finished answer (``tools.py``).
         unenforced: JSON schema keywords the engine cannot enforce: ``"refuse"`` or ``"allow"``.
         integral: JSON schema: an ``integer`` also takes its integral spellings (``1.0``, ``1e+16``) on xgrammar.
+        escapes: JSON schema: a bounded string takes JSON's escapes on xgrammar where its bound allows.
     """
 
     kind: str  # "json_schema" | "json" | "regex" | "choice" | "ebnf" | "structural_tag"
@@ -52,6 +53,7 @@ class Constraint:
     validate: Any = None  # tool formats: ``text -> None | reason`` (see tools.py)
     unenforced: str = "refuse"  # JSON schema keywords the engine cannot enforce: "refuse" | "allow" (keywords.py)
     integral: bool = True  # JSON schema: an integer also in its integral spellings (1.0, 1e+16) where the engine can
+    escapes: bool = True  # JSON schema: a bounded string also takes JSON's escapes on xgrammar (grammars.py)
 
     @property
     def compact(self) -> bool:
@@ -62,7 +64,8 @@ class Constraint:
     def key(self) -> tuple:
         """What the compiled grammar depends on: equal keys share one compiled grammar."""
         spec = json.dumps(self.spec, sort_keys=True, ensure_ascii=False) if self.kind != "regex" else self.spec
-        return (self.kind, spec, self.whitespace, self.strict, self.max_whitespace, self.unenforced, self.integral)
+        return (self.kind, spec, self.whitespace, self.strict, self.max_whitespace, self.unenforced, self.integral,
+                self.escapes)
 
     def grammar_text(self) -> str:
         """The constraint as EBNF text (``"choice"`` and ``"ebnf"`` constraints).
@@ -108,6 +111,7 @@ def json_schema(
     compact: bool | None = None,
     unenforced: str = "refuse",
     integral: bool = True,
+    escapes: bool = True,
 ) -> Constraint:
     """Output is JSON valid against ``schema``.
 
@@ -127,6 +131,10 @@ def json_schema(
         integral: an ``integer`` also takes the spellings JSON Schema counts as integers (``1.0``,
             ``-0.0``, ``1e+16``) on xgrammar (``False``: plain integers only, as vLLM's own grammars write
             them; the vLLM plugin's choice, so its greedy tokens stay stock vLLM's).
+        escapes: a bounded string (``minLength`` / ``maxLength``) takes JSON's escapes (``"a\\"b"``) on xgrammar
+            where its bound is at most ``STRING_CHAIN_COUNTS`` (64; past it, and with ``False`` at any bound,
+            xgrammar's own class without escapes: narrower, listed in ``narrowed``; ``False`` is the vLLM
+            plugin's choice, as vLLM's own grammars write them).
 
     Returns:
         The constraint; it compiles when a runtime adds a request with it.
@@ -157,7 +165,7 @@ def json_schema(
     if unenforced not in ("refuse", "allow"):
         raise ConstraintError(f"unenforced={unenforced!r}: pass 'refuse' (the default) or 'allow'")
     return Constraint("json_schema", schema, whitespace, bool(strict), max_whitespace, unenforced=unenforced,
-                      integral=bool(integral))
+                      integral=bool(integral), escapes=bool(escapes))
 
 
 def any_json() -> Constraint:

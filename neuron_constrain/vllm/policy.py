@@ -89,10 +89,10 @@ def from_vllm(kind: str, spec, *, whitespace: str = "none") -> Constraint:
     """The library constraint for a vLLM structured-output request: ``kind`` one of :data:`KINDS`
     (vLLM's request type), ``spec`` its text. ``whitespace``: ``"none"`` when the server disables
     whitespace (``disable_any_whitespace``), else ``"any"`` — what vLLM's xgrammar backend compiles."""
-    if kind == "json":  # integers spelled plainly, as vLLM's grammars write them: greedy tokens stay stock's
-        return json_schema(spec, whitespace=whitespace, integral=False)
+    if kind == "json":  # integers spelled plainly, bounded strings without escapes, as vLLM's grammars write
+        return json_schema(spec, whitespace=whitespace, integral=False, escapes=False)  # them: greedy tokens stay stock's
     if kind == "json_object":  # vLLM's xgrammar backend compiles json_object as this schema
-        return json_schema({"type": "object"}, whitespace=whitespace, integral=False)
+        return json_schema({"type": "object"}, whitespace=whitespace, integral=False, escapes=False)
     if kind == "regex":
         return regex(spec)
     if kind == "choice":

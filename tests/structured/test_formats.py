@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
-from neuron_constrain.structured.schema import formats, keywords, prepare
+from neuron_constrain.structured.schema import formats, keywords, patterns, prepare
 from neuron_constrain.testing import toy_tokenizer
 from neuron_constrain.testing.schemas import walks
 from neuron_constrain.testing.vocabulary import force
@@ -46,9 +46,8 @@ def toy_engines():
     return {name: E.make_engine(name, vocabulary) for name in E.ENGINE_CHOICES}
 
 
-def test_every_standard_format_has_a_grammar_or_a_named_refusal():
-    assert set(formats.FORMATS) | set(formats.REFUSED) == keywords.STANDARD_FORMATS
-    assert not set(formats.FORMATS) & set(formats.REFUSED)
+def test_every_standard_format_has_a_grammar():
+    assert set(formats.FORMATS) == keywords.STANDARD_FORMATS
     # the checkers this environment has (jsonschema's optional packages decide the rest): the stdlib's always
     assert {"date", "ipv4", "ipv6", "uuid", "email"} <= set(CHECKED)
     assert set(EXACT) <= set(CHECKED)
@@ -144,12 +143,25 @@ def test_every_engine_enforces_the_grammar(toy_engines, name):
             assert matches(name, text) and CHECKER.conforms(text, name), (engine_name, text)
 
 
-def test_a_format_without_a_grammar_is_refused_by_name(toy_engines):
-    schema = {"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}}
-    for engine in toy_engines.values():
-        with pytest.raises(S.ConstraintError, match=r"format 'regex'.*not a regular language") as refused:
-            engine.compile(S.json_schema(schema))
-        assert "#/properties/r/format" in str(refused.value)
+@SETTINGS
+@given(text=_drawn("regex"))
+def test_a_regex_the_grammar_takes_is_read_by_ecma_262_and_by_the_referee(text):
+    """`regex` is written as a regular part of its language (groups nested at most three deep): each string drawn
+    from it is a pattern the library's ECMA-262 parser reads and the referee's `re` compiles."""
+    re.compile(text)
+    patterns.parse(text)
+
+
+def test_regex_is_narrower_by_what_it_says_and_named_where_narrowed(toy_engines):
+    schema = {"type": "object", "properties": {"r": {"type": "string", "format": "regex", "minLength": 1}}}
+    cases = {"^(a(b(c)))$": True, "[a-z_-]+\\.json$": True, "((((a))))": False, "(?=a)b": False, "": False,
+             "(": False, "x{3,2}": False}
+    for engine_name, engine in toy_engines.items():
+        compiled = engine.compile(S.json_schema(schema))
+        assert "#/properties/r" in compiled.narrowed, (engine_name, compiled.narrowed)
+        for text, taken in cases.items():
+            tokens = engine.tokenizer.encode(json.dumps({"r": text}))
+            assert force(engine, compiled, tokens) == taken, (engine_name, text)
 
 
 def _view(schema, engine):

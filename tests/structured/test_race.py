@@ -106,9 +106,9 @@ def test_first_masks_from_llguidance_then_xgrammar_and_the_move_is_recorded():
 
 
 def test_a_narrowed_grammar_never_takes_over_a_prefix_it_refuses():
-    """xgrammar writes a bounded string without escapes (it would refuse ``"\\"``): auto serves it on
-    llguidance without a race; and a racing matcher offered that narrowed grammar after ``"\\`` stays put."""
-    schema = {"type": "string", "maxLength": 3}
+    """xgrammar writes a bounded string past 64 characters without escapes (it would refuse ``"\\"``): auto serves
+    it on llguidance without a race; and a racing matcher offered that narrowed grammar after ``"\\`` stays put."""
+    schema = {"type": "string", "maxLength": 100}
     engine = E.AutoEngine(VOCAB)
     compiled = engine.compile(S.json_schema(schema))
     assert compiled.engine == "llguidance" and compiled.successor is None
@@ -203,12 +203,12 @@ def test_generate_records_the_engines_and_the_move():
     xgrammar.compile_later = lambda prepared, policy=None: ReadyAfter(
         lambda: xgrammar.compile(prepared, policy=policy), 2 + 3 + 1)
     with runtime:
-        result = S.generate(decoder, ["A person:", "Pick:"], [S.json_schema(PERSON), S.json_schema({"maxLength": 2})],
+        result = S.generate(decoder, ["A person:", "Pick:"], [S.json_schema(PERSON), S.json_schema({"maxLength": 80})],
                             40, tokenizer=VOCAB, runtime=runtime)
     person, short = result.outputs
     assert person.engines == ("llguidance", "xgrammar") and person.moved_at == 3, (person.engines, person.text)
     assert short.engines == ("llguidance",) and short.moved_at is None  # narrowed on xgrammar: no race
-    for out, schema in zip(result.outputs, (PERSON, {"maxLength": 2})):
+    for out, schema in zip(result.outputs, (PERSON, {"maxLength": 80})):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
 
@@ -219,7 +219,7 @@ ROUTES = {  # name -> (engine options, constraint, the engines whose view it rea
     "auto racing": ({}, S.json_schema(PERSON), ("xgrammar", "llguidance")),
     "auto to llguidance": ({}, S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}),
                            ("xgrammar", "llguidance")),
-    "the narrowed fallback order": ({}, S.json_schema({"maxLength": 3}), ("xgrammar", "llguidance")),
+    "the narrowed fallback order": ({}, S.json_schema({"maxLength": 300}), ("xgrammar", "llguidance")),
     "allow": ({}, S.json_schema({"anyOf": [{"type": "array", "contains": {"type": "string"}, "minContains": 2},
                                            {"type": "array", "maxItems": 40}]}, unenforced="allow"),
               ("xgrammar", "llguidance")),

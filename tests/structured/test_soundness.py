@@ -243,31 +243,35 @@ def test_untyped_assertions_are_exact_on_every_engine(toy_engines):
     for name in ("xgrammar", "llguidance"):
         assert not verdicts[name].over_restricted and verdicts[name].accepted_valid == 2, name
     assert all(not v.unsound for v in verdicts.values())
-    # the string branch is a bounded string (xgrammar writes it without escapes: narrowed, and says where)
+    # the string branch is a bounded string: xgrammar writes it with its escapes (at most 64 characters), exact
     assert toy_engines["xgrammar"].compile(S.json_schema({"minimum": 2})).narrowed == ()
-    routed = toy_engines["auto"].compile(S.json_schema({"maxLength": 2}))
-    assert routed.engine == "llguidance" and routed.narrowed == ()
+    assert toy_engines["xgrammar"].compile(S.json_schema({"maxLength": 2})).narrowed == ()
+    assert toy_engines["auto"].compile(S.json_schema({"maxLength": 2})).narrowed == ()
     fallback = toy_engines["auto"].compile(S.json_schema({"properties": {"a": {}}, "minProperties": 1}, strict=False))
     assert fallback.engine == "xgrammar" and fallback.narrowed == ()  # llguidance counts only required names
 
 
 def test_a_bounded_string_routes_to_the_engine_that_takes_its_escapes(toy_engines):
-    """xgrammar writes a bounded string without escapes (narrower, sound): its compile says so, and auto
-    takes llguidance, which accepts the escaped value the schema allows; without a bound, xgrammar."""
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}}, "required": ["name"]}
+    """xgrammar writes a bounded string with its escapes up to 64 characters (exact: auto races it as any exact
+    schema); past that without escapes (narrower, sound): its compile says so, and auto takes llguidance, which
+    accepts the escaped value the schema allows."""
+    short = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}}, "required": ["name"]}
+    instances = [{"name": 'a"b'}, {"name": "ab"}, {"name": "abcde"}]
+    assert toy_engines["xgrammar"].compile(S.json_schema(short)).narrowed == ()
+    verdict = _verdicts({"xgrammar": toy_engines["xgrammar"]}, short, instances)["xgrammar"]
+    assert not verdict.over_restricted and verdict.accepted_valid == 2 and not verdict.unsound
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 100}}, "required": ["name"]}
     assert toy_engines["xgrammar"].compile(S.json_schema(schema)).narrowed == ("#/properties/name",)
-    verdicts = _verdicts(toy_engines, schema, [{"name": 'a"b'}, {"name": "ab"}, {"name": "abcde"}])
+    verdicts = _verdicts(toy_engines, schema, instances)
     assert verdicts["xgrammar"].over_restricted == ['{"name": "a\\"b"}']
     routed = toy_engines["auto"].compile(S.json_schema(schema))
     assert routed.engine == "llguidance" and routed.narrowed == ()
     assert _verdicts({"auto": toy_engines["auto"]}, schema, [{"name": 'a"b'}])["auto"].accepted_valid == 1
-    unbounded = toy_engines["auto"].compile(S.json_schema({"type": "object", "properties": {"name": {"type": "string"}}}))
-    assert unbounded.engines[-1] == "xgrammar" and unbounded.narrowed == ()  # raced: xgrammar's once it is ready
-    # as stock vLLM (the plugin): the bounded string on xgrammar, narrowed and saying so
+    # as stock vLLM (the plugin): xgrammar's own bounded string (escapes=False) on xgrammar, narrowed and saying so
     as_vllm = E.AutoEngine(toy_tokenizer(), narrow_bounded_strings=True, race=False)  # as the plugin builds it
-    kept = as_vllm.compile(S.json_schema(schema))
+    kept = as_vllm.compile(S.json_schema(short, escapes=False))
     assert kept.engine == "xgrammar" and kept.narrowed == ("#/properties/name",)
-    split = as_vllm.compile(S.json_schema({"maxLength": 2}))  # untyped: split by type, the string branch bounded
+    split = as_vllm.compile(S.json_schema({"maxLength": 2}, escapes=False))  # untyped: split, the string branch bounded
     assert split.engine == "xgrammar" and split.narrowed == ("#/anyOf/0",)
 
 
@@ -314,29 +318,38 @@ def test_the_docs_tables_are_the_lists(table):
 
 
 @pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 2}, {"type": "string", "minLength": 2},
-                                    {"type": "string", "minLength": 1, "maxLength": 1}])
-def test_a_bounded_string_on_xgrammar_is_narrower_never_wider(schema):
-    """xgrammar's own bounded string takes raw control characters (invalid JSON); the library's takes JSON's
-    string characters only, counted as code points, and no escape (xgrammar would count an escape as
-    several characters, and a class with the escapes in it makes its fills grow with the bound: 1.9 s a
-    token at maxLength 1024, measured). So it never takes what the schema refuses, and refuses the
-    escaped spellings: sound, narrower than llguidance there."""
+                                    {"type": "string", "minLength": 1, "maxLength": 1},
+                                    {"type": "string", "maxLength": 100}, {"type": "string", "minLength": 65}])
+@pytest.mark.parametrize("escapes", [True, False])
+def test_a_bounded_string_on_xgrammar_is_exact_or_narrower_never_wider(schema, escapes):
+    """xgrammar's own bounded string takes raw control characters (invalid JSON) and no escape; the library's
+    takes JSON's string characters only, counted as code points, with JSON's escapes up to
+    ``STRING_CHAIN_COUNTS`` characters (a chain of rules, one per count): exact there. Past it (a class with the
+    escapes in it makes xgrammar's fills grow with the bound: 1.9 s a token at maxLength 1024), and everywhere with
+    ``escapes=False`` (the vLLM plugin's), the escaped spellings are refused: sound, narrower, listed in
+    ``narrowed``."""
     import jsonschema
 
     from neuron_constrain.structured.engines.xgrammar.grammars import ebnf_accepts, schema_grammar
 
-    text = str(schema_grammar(S.json_schema(schema)))
-    for value in ["ab", "a", "\n", "\u00e9", "\U0001F600", "\U0001F600x", "abc", "", 'a"b', "\x06"]:
+    text = str(schema_grammar(S.json_schema(schema, escapes=escapes)))
+    exact = escapes and max(schema.get("minLength", 0), schema.get("maxLength", 0)) <= 64
+    long = "x" * 70
+    for value in ["ab", "a", "\n", "\u00e9", "\U0001F600", "\U0001F600x", "abc", "", 'a"b', "\x06", "\\", long,
+                  long + '"', long[:-1] + "\t"]:
         valid = jsonschema.Draft202012Validator(schema).is_valid(value)
         raw = json.dumps(value, ensure_ascii=False)
         needs_escape = any(c in value for c in '"\\') or any(ord(c) < 0x20 for c in value)
-        assert ebnf_accepts(text, raw) == (valid and not needs_escape), (schema, raw, valid)
+        assert ebnf_accepts(text, raw) == (valid and (exact or not needs_escape)), (schema, raw, valid)
     assert not ebnf_accepts(text, '"a\x06"') and not ebnf_accepts(text, '"\x06"')  # raw controls: never JSON
+    compiled = E.XGrammarEngine(toy_tokenizer()).compile(S.json_schema(schema, escapes=escapes))
+    assert compiled.narrowed == (() if exact else ("#",))
 
 
 def test_formats_as_patterns_compile_and_enforce_on_xgrammar(toy_engines):
     """The formats xgrammar had no sound grammar for compile there now: date and ipv4 exactly, email
-    narrowed (a dot-atom address; listed in ``narrowed``, so auto takes llguidance's email first)."""
+    narrowed (a dot-atom address; listed in ``narrowed`` on both engines, which read the same pattern: auto races
+    them as for any schema xgrammar takes exactly)."""
     xgrammar = toy_engines["xgrammar"]
     cases = {"date": (["2024-02-29", "2000-02-29", "0001-01-01"], ["2023-02-29", "1900-02-29", "2024-04-31", "0000-01-01"]),
              "ipv4": (["1.2.3.4", "255.0.10.199"], ["01.2.3.4", "256.1.1.1", "1.2.3"])}
@@ -349,7 +362,8 @@ def test_formats_as_patterns_compile_and_enforce_on_xgrammar(toy_engines):
     assert xgrammar.compile(S.json_schema(email)).narrowed == ("#/properties/to",)
     verdict = differential(xgrammar, email, [{"to": "a.b@example.com"}, {"to": "a@b@c"}, {"to": "nobody"}])
     assert not verdict.unsound and verdict.accepted_valid == 1 and verdict.over_restricted == ['{"to": "a@b@c"}']
-    assert toy_engines["auto"].compile(S.json_schema(email)).engine == "llguidance"
+    assert toy_engines["llguidance"].compile(S.json_schema(email)).narrowed == ("#/properties/to",)
+    assert toy_engines["auto"].compile(S.json_schema(email)).narrowed == ("#/properties/to",)
 
 
 @SETTINGS

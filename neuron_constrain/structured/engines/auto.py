@@ -18,10 +18,12 @@ narrowed one does: xgrammar keeps a copy of the whole automaton per nesting leve
 past 2 GiB for that one), llguidance reads it lazily in milliseconds.
 
 Routed by meaning: where xgrammar would take fewer values than the schema (its narrowing: a
-bounded string written without escapes: ``"a\\"b"`` refused; a format written as a narrower
-pattern; untyped nodes are split by type, ``schema/values.py``, and keep their meaning),
-llguidance, which keeps JSON Schema's meaning there, is tried first; xgrammar's narrowed grammar
-is the fallback, and the result says so (``CompiledGrammar.narrowed``: the nodes' pointers).
+bounded string written without escapes: ``"a\\"b"`` refused; untyped nodes are split by type,
+``schema/values.py``, and keep their meaning), llguidance, which keeps JSON Schema's meaning there, is
+tried first; xgrammar's narrowed grammar is the fallback, and the result says so
+(``CompiledGrammar.narrowed``: the nodes' pointers). A format written as a narrower pattern is the same
+pattern on both engines (``formats.write_patterns``): listed in ``narrowed`` whichever compiles it, it
+routes nothing.
 ``narrow_bounded_strings=True`` takes xgrammar's escape-free bounded strings as stock vLLM does
 (the vLLM plugin: its greedy tokens stay stock's; llguidance forces a canonical tokenization of
 text the grammar fixes, xgrammar allows any).
@@ -32,7 +34,7 @@ at once, xgrammar on a thread of its own (``XGrammarEngine.compile_later``; in i
 them): the compiled grammar returned is llguidance's, with xgrammar's pending as its ``successor``, and each
 request's matcher is a ``race.RacingMatcher`` that moves to xgrammar once its grammar is ready and takes the
 request's prefix. If xgrammar was ready first, or llguidance cannot compile it, xgrammar's grammar is
-returned as before. A narrowed constraint is not raced (llguidance alone keeps its meaning). ``counts``
+returned as before. A constraint xgrammar narrows is not raced (llguidance alone keeps its meaning). ``counts``
 says how the races went; ``served(matcher)`` which engines decided a request.
 
 The two engines' matchers live side by side in one batch: fills and accepts go to the
@@ -40,7 +42,7 @@ engine that made each matcher.
 
     xgrammar's view of the prepared constraint (policy "refuse"):
       refused            -> llguidance (the request's policy); failing that, under "allow": xgrammar, listed
-      narrowed, or deep  -> llguidance; failing that: xgrammar's (narrowed) grammar
+      bounded strings, or deep -> llguidance; failing that: xgrammar's (narrowed) grammar
       exact (the race)   -> llguidance's grammar now, xgrammar's once ready (RacingMatcher)
       exact, race=False  -> xgrammar
 """
@@ -100,7 +102,7 @@ class AutoEngine(GrammarEngine):
         except ConstraintError as refused:
             view, xgrammar_said = None, str(refused)
         if view is not None:
-            if view.narrowed or (view.bounded_strings and not self.narrow_bounded_strings) or prepared.deep_languages:
+            if (self.xgrammar.narrowed_strings(view) and not self.narrow_bounded_strings) or prepared.deep_languages:
                 try:  # an engine exact on the whole schema first; xgrammar's narrowed grammar is the fallback
                     return self.llguidance.compile(prepared, policy="refuse")
                 except (ConstraintError, ImportError, ValueError):

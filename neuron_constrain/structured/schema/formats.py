@@ -1,23 +1,25 @@
 """JSON Schema 2020-12's formats as patterns: one exact grammar per format that is regular or bounded.
 
     formats.FORMATS["ipv6"].pattern        # an anchored pattern the library's parser and Python's re read alike
-    formats.REFUSED["regex"]               # why a format has no grammar here (it is refused by name)
+    formats.FORMATS["regex"].narrower      # what a grammar leaves out of its format (a sound choice)
     formats.write_patterns(schema, ...)    # each `format` of a schema written as its pattern (keywords.engine_rewrites)
 
 Each grammar is written from the format's own specification (RFC 3339 for `date`, `time`,
 `date-time` and `duration`; RFC 5321/6531 for the e-mail forms; RFC 1123/5890 for host names;
 RFC 2673/4291 for the IP forms; RFC 3986/3987 for URIs and IRIs; RFC 6570 for URI templates;
-RFC 6901 and the relative JSON pointer draft; RFC 4122 for `uuid`) and never accepts a string the
-format's definition refuses. Where the referee (``jsonschema``'s format checker, format assertion on)
+RFC 6901 and the relative JSON pointer draft; RFC 4122 for `uuid`; ECMA-262 for `regex`) and never
+accepts a string the format's definition refuses. Where the referee (``jsonschema``'s format checker, format assertion on)
 has a checker, the grammar accepts only strings it accepts (``tests/structured/test_formats.py``
 draws strings from each grammar and judges them); ``Format.narrower`` says in words what a
 grammar leaves out of its definition (a sound choice: fewer strings, never more), and
 ``Format.exact`` whether the grammar is the referee's language itself, which is what a grammar
 under `not` needs (:func:`write_patterns` leaves a narrower one alone there).
 
-A format whose language is not regular, or not writable exactly, is refused by name
-(:data:`REFUSED`, read by ``keywords.known_format``). A name outside the standard list is an
-annotation (never asserted, never refused). Format beside ``pattern`` is the intersection of the
+A format whose language is not regular is written as a regular part of it: `regex` (balanced groups,
+a context-free language) as the patterns whose groups nest at most :data:`_REGEX_DEPTH` deep, which both
+ECMA-262 and the referee's `re` read. A grammar narrower than its format beside `not` (where it would widen
+the schema) stays a `format`, which the engines' lists refuse by name (``keywords.known_format``). A name
+outside the standard list is an annotation (never asserted, never refused). Format beside ``pattern`` is the intersection of the
 two patterns (``algebra.regular.intersect_patterns``); beside ``minLength``/``maxLength`` the bounds
 stay beside the pattern where the engine enforces them there, and are intersected into it where it
 does not (a bounded format's own length, `hostname`'s 253, is one more ``maxLength``).
@@ -25,6 +27,7 @@ does not (a bounded format's own length, `hostname`'s 253, is one more ``maxLeng
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 from neuron_constrain.structured.schema import rewrite
@@ -41,6 +44,7 @@ class Format:
     max_length: int | None = None  # code points, beside the pattern (a bounded format)
     narrower: str = ""  # what the grammar leaves out of the format's definition, in words ("" : nothing)
     exact: bool = False  # the grammar is the referee's language itself (its checker, which the stdlib holds)
+    nonempty: str | None = None  # the pattern less the empty string, where it takes it (``minLength: 1`` beside)
 
 
 # --------------------------------------------------------------------------- the pieces (ECMA-262 syntax)
@@ -133,6 +137,38 @@ _URI_TEMPLATE = (f"(?:[\\x21\\x23\\x24\\x26\\x28-\\x3B\\x3D\\x3F-\\x5B\\x5D\\x5F
 _JSON_POINTER = "(?:/(?:[^~/]|~[01])*)*"
 
 
+
+def _ordered_ranges(low: str, high: str) -> str:
+    """Every class range ``x-y`` with ``low <= x <= y <= high`` (a range out of order is an error in both readers)."""
+    return "|".join(f"{c}-[{c}-{high}]" for c in map(chr, range(ord(low), ord(high) + 1)))
+
+
+# ECMA-262 regular expressions (`regex`) are not a regular language, but those nesting groups at most
+# _REGEX_DEPTH deep are; the grammar writes such a subset both ECMA-262 (u flag) and Python's `re` (the
+# referee's checker) read: literal characters, `.`, escapes of classes, controls and syntax characters,
+# classes of characters, escapes and ordered ranges (a `-` first or last), the quantifiers with lazy forms (`{n,m}` with n <= m
+# written for counts of different lengths or one digit), groups and non-capturing groups, `|`; anchors and
+# word boundaries outside groups only (a group holding only assertions cannot be quantified in ECMA-262).
+_REGEX_DEPTH = 3
+_SYNTAX_ESCAPES = "\\\\^$.*+?()\\[\\]{}|/"
+_REGEX_LITERAL = "[^\\\\^$.|?*+()\\[\\]{}\\x00-\\x1f\\ud800-\\udfff]"
+_REGEX_ESCAPE = f"\\\\[dDwWsSnrtfv{_SYNTAX_ESCAPES}]"
+_CLASS_ITEM = (f"(?:{_ordered_ranges('a', 'z')}|{_ordered_ranges('A', 'Z')}|{_ordered_ranges('0', '9')}"
+               f"|[^\\\\\\]\\[\\-&~|^\\x00-\\x1f\\ud800-\\udfff]|\\\\[dDwWsSnrtfv\\-{_SYNTAX_ESCAPES}])")
+_COUNT_N = "(?:0|[1-9][0-9]{0,3})"
+_COUNTS = "|".join(f"{n},[{n}-9]" for n in range(10))
+_QUANTIFIER = (f"(?:(?:[*+?]|\\{{(?:{_COUNT_N},?|{_COUNTS}|[0-9],[1-9][0-9]{{1,3}}|[1-9][0-9],[1-9][0-9]{{2,3}}"
+               f"|[1-9][0-9]{{2}},[1-9][0-9]{{3}})\\}})\\??)")
+
+
+def _regex(depth: int, top: bool = True, repeat: str = "*") -> str:
+    """The subset above, groups nesting ``depth`` deep at most (``top``: the outermost level, where anchors stand);
+    ``repeat="+"``: at least one character (each item is one or more)."""
+    atom = f"(?:{_REGEX_LITERAL}|\\.|{_REGEX_ESCAPE}|\\[\\^?(?:-?{_CLASS_ITEM}+-?|-)\\]" + (
+        f"|\\((?:\\?:)?{_regex(depth - 1, False)}\\)" if depth else "") + ")"
+    return f"(?:{atom}{_QUANTIFIER}?" + ("|[\\^$]|\\\\[bB]" if top else "") + f"|\\|){repeat}"
+
+
 def _format(name: str, body: str, **rest) -> Format:
     return Format(name, f"^{body}$", **rest)
 
@@ -164,13 +200,10 @@ FORMATS = {f.name: f for f in (
     _format("json-pointer", _JSON_POINTER),
     _format("relative-json-pointer", f"(?:0|[1-9][0-9]*)(?:#|{_JSON_POINTER})",
             narrower="no index manipulation (`0+1/a`, a later draft's)"),
+    _format("regex", _regex(_REGEX_DEPTH), narrower=f"groups nested at most {_REGEX_DEPTH} deep, no lookarounds, "
+            "named groups or back-references; anchors and word boundaries outside groups; `{n,m}` written where n and "
+            "m have one digit or different lengths", nonempty=f"^{_regex(_REGEX_DEPTH, repeat='+')}$"),
 )}
-# The standard formats no grammar here enforces, and why (refused by name unless an engine has its own).
-REFUSED = {
-    "regex": "an ECMA-262 regular expression is not a regular language (nested groups must balance)",
-}
-
-
 def grammar(name: str) -> Format | None:
     """The grammar of a format.
 
@@ -195,21 +228,6 @@ def checked(name: str) -> bool:
     import jsonschema
 
     return name in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
-
-
-def refusal(name: str, path: str) -> ConstraintError:
-    """The refusal of a format no grammar writes.
-
-    Args:
-        name: the format's name.
-        path: the JSON pointer of its ``format`` keyword.
-
-    Returns:
-        The ``ConstraintError`` naming the format, the pointer, why (:data:`REFUSED`) and the fix.
-    """
-    why = REFUSED.get(name, "no grammar here is exact for it")
-    return ConstraintError(f"the format {name!r} at {path} has no exact grammar ({why}); remove `format` there, "
-                           "or pass json_schema(..., unenforced='allow') to have the output validated after generation")
 
 
 _BOUNDED_PATTERN = {"type": "string", "pattern": "^a+$", "minLength": 1, "maxLength": 2}
@@ -256,6 +274,10 @@ def write_patterns(schema: dict, lengths_beside_pattern: bool, narrowed: list | 
         if written is None:
             continue
         pattern, low, high = written
+        if low == 1 and pattern == found.pattern:  # the format's own automaton may be too large to intersect
+            if re.fullmatch(pattern, "") is None or found.nonempty:
+                pattern, low = found.nonempty or pattern, 0
+                node.pop("minLength", None)
         if not lengths_beside_pattern and (low or high is not None):
             bounded = _intersect((pattern, f"^{_ANY_LENGTH}{{{low},{'' if high is None else high}}}$"))
             if bounded is not None:

@@ -162,8 +162,6 @@ def known_format(engine: str, known: frozenset) -> Unless:
         name = node.get("format")
         if not isinstance(name, str) or name not in STANDARD_FORMATS or name in known:
             return None  # a non-standard format is an annotation
-        if name in formats.REFUSED:
-            return f"the format {name!r} has no grammar anywhere: {formats.REFUSED[name]}"
         return f"{engine} has no grammar for the standard format {name!r} here"
     return unless
 

@@ -154,7 +154,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
         self._listen(constraint, template)
-        return CompiledGrammar(self.name, original, template, unenforced, item_checks=view.plan)
+        return CompiledGrammar(self.name, original, template, unenforced, view.narrowed, item_checks=view.plan)
 
     def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,

@@ -27,7 +27,8 @@ from neuron_constrain.structured.engines.base import (CompiledGrammar, GrammarEn
                                                       fills_itself)
 from neuron_constrain.structured.engines.xgrammar.disk_cache import DiskCache
 from neuron_constrain.structured.engines.xgrammar.fill_threads import RowFillers
-from neuron_constrain.structured.engines.xgrammar.grammars import compile_grammar, parse_constraint, xgrammar_info
+from neuron_constrain.structured.engines.xgrammar.grammars import (compile_grammar, parse_constraint, writes_escapes,
+                                                                  xgrammar_info)
 from neuron_constrain.structured.engines.xgrammar.worker import shared_workers
 
 _ACCEPT = xgr.GrammarMatcher.accept_token
@@ -243,12 +244,23 @@ class XGrammarEngine(GrammarEngine):
             self.workers.wait_ready()
 
     def compile(self, constraint, *, policy: str | None = None) -> CompiledGrammar:
-        """``narrowed`` also lists the bounded strings (``minLength``/``maxLength``): their characters are
-        written without escapes (a quote, a backslash or a newline inside is refused)."""
+        """``narrowed`` also lists the bounded strings written without escapes (:meth:`narrowed_strings`)."""
         view, unenforced = self.view(constraint, policy)
         grammar = self._compile_or_load(view.constraint)
         original = constraint.constraint if isinstance(constraint, Prepared) else constraint
-        return CompiledGrammar(self.name, original, grammar, unenforced, view.narrowed + view.bounded_strings, view.plan)
+        return CompiledGrammar(self.name, original, grammar, unenforced, view.narrowed + self.narrowed_strings(view),
+                               view.plan)
+
+    @staticmethod
+    def narrowed_strings(view) -> tuple[str, ...]:
+        """The pointers of ``view``'s bounded strings (``minLength``/``maxLength``) written without escapes (a quote,
+        a backslash or a newline inside refused): past ``grammars.STRING_CHAIN_COUNTS`` characters, or every one
+        where the constraint asks for xgrammar's own class (``json_schema(..., escapes=False)``)."""
+        if not view.bounded_strings:
+            return ()
+        nodes = dict(K.walk(view.schema))
+        return tuple(path for path in view.bounded_strings if not view.constraint.escapes or not writes_escapes(
+            nodes[path].get("minLength", 0), nodes[path].get("maxLength")))
 
     def _compile_or_load(self, job):
         """xgrammar's grammar of ``job``: from the disk cache where an entry loads, else compiled (and stored
