@@ -128,6 +128,26 @@ def test_recursion_into_the_root_masks_the_token_that_closes_nested_values(tekke
     assert root_as_definition(plain) is plain  # no reference into the root: the schema as it was
 
 
+ASSERTING_NOTHING = [  # (schema, valid, invalid): parts that assert nothing, which xgrammar's policy refused
+    ({"$defs": {"unused": {"type": "string", "pattern": "^a"}}, "type": "string", "maxLength": 2}, ['"bc"'], ['"bcd"']),
+    ({"$defs": {"used": {"$ref": "#/$defs/inner"}, "inner": {"type": "string", "pattern": "^a"},
+                "unused": {"pattern": "^b"}}, "$ref": "#/$defs/used"}, ['"ab"'], ['"ba"']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+      "patternProperties": {}}, ['{"a": 1}'], ['{"b": 1}']),
+]
+
+
+@pytest.mark.parametrize("schema, valid, invalid", ASSERTING_NOTHING, ids=["unused-defs", "reached-defs", "no-patterns"])
+def test_what_asserts_nothing_compiles_on_xgrammar(tekken, engines, schema, valid, invalid):
+    """A definition no `$ref` reaches (xgrammar drops it, and the markers of its patterns with it, which read as a
+    pattern dropped) and an empty `patternProperties` (no name matched) assert nothing: xgrammar compiles the
+    schema, and enforces the rest."""
+    for name, engine in engines.items():
+        compiled = engine.compile(S.json_schema(schema))
+        assert all(force(engine, compiled, tekken.encode(t)) for t in valid), name
+        assert not any(force(engine, compiled, tekken.encode(t)) for t in invalid), name
+
+
 @pytest.mark.parametrize("schema, instance", AGREE, ids=[json.dumps(s)[:40] for s, _ in AGREE])
 def test_engines_masks_agree_row_by_row(tekken, engines, schema, instance):
     constraint = S.json_schema(schema)

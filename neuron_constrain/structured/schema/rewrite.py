@@ -5,7 +5,7 @@
     schema = narrow(schema)         # enum/const filtered by their sibling assertions (same meaning)
 
 ``normalize`` (all engines): ``true`` subschemas become ``{}``; integer-valued limits written
-``2.0`` become ``2``; every ``$ref`` into the same document (``$id``-relative, ``$anchor``, a
+``2.0`` become ``2``; an empty ``patternProperties`` is dropped (it matches no name); every ``$ref`` into the same document (``$id``-relative, ``$anchor``, a
 URN or absolute URI naming this document, JSON-pointer escapes ``~0`` ``~1`` ``%22``) is rewritten
 to a plain root pointer ``#/...`` (an alias under ``$defs`` where the pointer needs escapes), and
 the sub-resource ``$id`` / ``$anchor`` it resolved are dropped. A ``$ref`` to another document
@@ -118,6 +118,8 @@ def normalize(schema):
             value = node.get(key)
             if isinstance(value, float) and value.is_integer() and value >= 0:
                 node[key] = int(value)
+        if node.get("patternProperties") == {}:  # no pattern: no name matched, none evaluated
+            del node["patternProperties"]
     _local_refs(schema)
     return schema
 

@@ -173,8 +173,11 @@ class _Markers:
 
     def schema(self, schema):
         """``schema`` with its patterns marked, its root a definition where a ``$ref`` recurses into it
-        (:func:`root_as_definition`)."""
-        return keywords.map_patterns(root_as_definition(schema), self._mark) if isinstance(schema, dict) else schema
+        (:func:`root_as_definition`), its definitions no ``$ref`` reaches left out (xgrammar drops them, and with
+        them their patterns' markers, which :meth:`substitute` would take for a pattern dropped)."""
+        if not isinstance(schema, dict):
+            return schema
+        return keywords.map_patterns(root_as_definition(referenced_definitions(schema)), self._mark)
 
     def tag(self, node):
         """A structural tag with the patterns of the JSON schemas inside it marked."""
@@ -291,6 +294,34 @@ def root_as_definition(schema):
     body = {key: value for key, value in copied.items() if key not in _DEFINITIONS}
     kept = {key: copied[key] for key in _DEFINITIONS if isinstance(copied.get(key), dict)}
     return {**kept, "$defs": {**kept.get("$defs", {}), name: body}, "$ref": f"#/$defs/{name}"}
+
+
+def referenced_definitions(schema: dict) -> dict:
+    """``schema`` without the root's ``$defs``/``definitions`` entries no ``$ref`` reaches from the root (they assert
+    nothing); ``schema`` itself where every entry is reached."""
+    containers = {key: schema[key] for key in _DEFINITIONS if isinstance(schema.get(key), dict)}
+    if not containers:
+        return schema
+    body = {key: value for key, value in schema.items() if key not in containers}
+    reached: set = set()
+    pending = [body]
+    while pending:
+        for _, node in rewrite.walk(pending.pop()):
+            ref = node.get("$ref")
+            parts = ref[2:].split("/", 2) if isinstance(ref, str) and ref.startswith("#/") else []
+            if len(parts) < 2:
+                continue
+            container, name = (urllib.parse.unquote(p).replace("~1", "/").replace("~0", "~") for p in parts[:2])
+            entry = containers.get(container, {}).get(name)
+            if isinstance(entry, dict) and (container, name) not in reached:
+                reached.add((container, name))
+                pending.append(entry)
+            elif (container, name) not in reached and name in containers.get(container, {}):
+                reached.add((container, name))  # a boolean definition: nothing further to reach
+    if all((c, n) in reached for c, entries in containers.items() for n in entries):
+        return schema
+    kept = {c: {n: v for n, v in entries.items() if (c, n) in reached} for c, entries in containers.items()}
+    return {**body, **kept}
 
 
 def _into_root(ref: str) -> bool:
