@@ -422,7 +422,7 @@ def test_rows_checked_once_per_fill_still_refuse_every_bad_buffer(tekken):
     xgrammar's matchers are in the batch)."""
     auto = E.AutoEngine(tekken, race=False)
     try:
-        keys = auto.compile(S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}))
+        keys = auto.compile(S.json_schema({"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}))
         plain = auto.compile(S.json_schema({"type": "array", "items": {"type": "integer"}}))
         assert (keys.engine, plain.engine) == ("llguidance", "xgrammar")
         width = auto.width
@@ -459,10 +459,10 @@ def test_auto_takes_xgrammar_where_it_enforces_everything_and_llguidance_for_the
     engine = E.AutoEngine(tekken, race=False)
     try:
         plain = engine.compile(S.json_schema({"type": "array", "items": {"type": "integer"}}))
-        keys = engine.compile(S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}))
+        keys = engine.compile(S.json_schema({"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}))
         tag = engine.compile(S.tool_constraint([WEATHER], "required", format="hermes", tokenizer=tekken))
         assert (plain.engine, keys.engine, tag.engine) == ("xgrammar", "llguidance", "xgrammar")
-        assert not keys.unenforced  # llguidance enforces patternProperties
+        assert not keys.unenforced  # llguidance enforces a fractional multipleOf
         with pytest.raises(S.ConstraintError, match="xgrammar"):  # neither takes it: both reasons
             engine.compile(S.json_schema({"anyOf": [{"type": "array", "contains": {"type": "string"}},
                                                     {"type": "array", "maxItems": 40}]}))

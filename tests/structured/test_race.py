@@ -217,7 +217,7 @@ def test_generate_records_the_engines_and_the_move():
 ROUTES = {  # name -> (engine options, constraint, the engines whose view it reads)
     "auto to xgrammar": ({"race": False}, S.json_schema(PERSON), ("xgrammar",)),
     "auto racing": ({}, S.json_schema(PERSON), ("xgrammar", "llguidance")),
-    "auto to llguidance": ({}, S.json_schema({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}),
+    "auto to llguidance": ({}, S.json_schema({"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}),
                            ("xgrammar", "llguidance")),
     "the narrowed fallback order": ({}, S.json_schema({"maxLength": 300}), ("xgrammar", "llguidance")),
     "allow": ({}, S.json_schema({"anyOf": [{"type": "array", "contains": {"type": "string"}, "minContains": 2},

@@ -26,7 +26,7 @@ import json
 import re
 from typing import Callable, Iterator
 
-from neuron_constrain.structured.schema import algebra, formats, patterns, values
+from neuron_constrain.structured.schema import algebra, formats, pattern_members, patterns, values
 from neuron_constrain.structured.schema import rewrite as rewrite
 from neuron_constrain.structured.constraints import ConstraintError
 
@@ -70,7 +70,8 @@ class Allowlist:
     engine: str
     entries: tuple[Enforced, ...]
     formats: frozenset
-    rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (rewrite.py); "split_types", "values", "integral" (values.py)
+    rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (rewrite.py); "split_types", "values", "integral" (values.py);
+    # "pattern_members" (pattern_members.py)
     evidence: str = ""
     regex: frozenset = frozenset()  # names of patterns.REFUSED this engine enforces exactly
     pattern_form: str = ""  # in words, for the engines guide's regex table
@@ -236,6 +237,8 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
         rewrite.distribute(prepared)
     if "split_types" in lists.rewrites:  # exact: one branch per instance type, nothing narrowed
         values.split_types(prepared, rewrite.walk)
+    if "pattern_members" in lists.rewrites:  # each name's region explicit, the object closed
+        pattern_members.explicit_regions(prepared, rewrite.walk)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
         rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))

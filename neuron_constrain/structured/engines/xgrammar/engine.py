@@ -127,6 +127,14 @@ def _names_alone(node, root):
     return f"beside `{beside[0]}`, which xgrammar drops there" if beside else None
 
 
+def _regions_written(node, root):
+    """xgrammar writes an additional key as any string (one a pattern owns, or a declared name, again):
+    ``patternProperties`` only where ``pattern_members`` closed the object, each region written out."""
+    return None if node.get("additionalProperties") is False else (
+        "its regions could not be written out (a cap, or `unevaluatedProperties`/`propertyNames` beside): "
+        "xgrammar would write an additional key as any string")
+
+
 def _no_pattern(node, root):
     return "beside `pattern`, which xgrammar keeps alone (it warns)" if "pattern" in node else None
 
@@ -189,6 +197,8 @@ def _entries():
         on("maxItems", typed_where, array, K.count("maxItems")),
         on("properties", f"{typed_where}; a name written with a JSON escape or non-ASCII characters only with `additionalProperties: false`",
            obj, _escaped_names),
+        on("patternProperties", f"{typed_where}; each name's region written out, the object closed (without "
+           "`unevaluatedProperties`/`propertyNames` beside)", obj, _regions_written),
         on("additionalProperties", typed_where, obj),
         on("required", f"{typed_where}, each name listed in `properties`", obj, _required_in_properties),
         on("minProperties", f"{typed_where}; above 1 only with `additionalProperties: false`", obj, K.distinct_keys,
@@ -199,7 +209,8 @@ def _entries():
 
 
 ENFORCES = K.register(K.Allowlist(
-    "xgrammar", _entries(), _FORMATS, rewrites=("distribute", "split_types", "narrow", "values", "integral"),
+    "xgrammar", _entries(), _FORMATS,
+    rewrites=("distribute", "split_types", "pattern_members", "narrow", "values", "integral"),
     regex=frozenset({patterns.CONTROLS_WITHOUT_ESCAPES}),  # the library writes the JSON escapes (pattern_text.to_ebnf)
     evidence="tests/structured/test_soundness.py (the differential test) and tests/structured/test_keywords.py's probes, xgrammar 0.2.8",
     pattern_form="EBNF written by the library (`pattern_text.to_ebnf`), over the JSON-escaped text",

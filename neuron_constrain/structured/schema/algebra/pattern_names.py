@@ -31,7 +31,7 @@ def disjoint_patterns(node: dict, path: str, judge):
     if not isinstance(table, dict) or len(table) < 2 or not _overlap(tuple(table)):
         return node
     sources = list(table)
-    if "additionalProperties" in node and not all(_reads_alike(s) for s in sources):
+    if "additionalProperties" in node and not all(reads_alike(s) for s in sources):
         return node
     over("branches", 2 ** len(sources) - 1)
     regions = {}
@@ -61,7 +61,7 @@ def _overlap(sources: tuple) -> bool:
     return False
 
 
-def _reads_alike(source: str) -> bool:
+def reads_alike(source: str) -> bool:
     """Whether ECMA-262 and Python match the same names with ``source`` (its wide and narrow readings agree)."""
     try:
         wide, narrow = (patterns.full_match(patterns.parse(source, w), search=True) for w in (True, False))

@@ -1,0 +1,96 @@
+"""``patternProperties`` written for an engine that reads each pattern as a key region and an additional key as
+any string (xgrammar): every name's region explicit, so the engine's reading is JSON Schema's.
+
+    {properties: {d: D}, patternProperties: {p: P}, additionalProperties: A, required: [r]}
+        -> {properties: {d: D ∧ P if p finds d, r: P if p finds r, else A},
+            patternProperties: {<p, not d or r>: P, <no pattern, not d or r>: A},
+            additionalProperties: false}
+
+xgrammar 0.2.8 writes a ``patternProperties`` key as ``"\\"" Regex(p) "\\""`` with its schema, but an
+additional key as any string (so a name a pattern or a declared property owns could be written again
+with the additional schema), a declared name with its ``properties`` schema alone (a pattern that finds it
+applies too), and no name only a pattern covers as required. Here each declared name (a ``required`` one
+undeclared joins them) gets the meet of every schema that applies to it (the referee's reading of the
+patterns); each pattern leaves the declared names out; the names no pattern finds in either dialect
+(``regular.complement_pattern``, read wide) become one more region with ``additionalProperties``'s schema,
+and the object is closed. The same objects are valid; a name one dialect finds and the other does not is
+in no region (never written: narrower, never wider; so, in a schema with a negation, only patterns both
+dialects read alike are rewritten). Past a cap of the automata, or beside
+``unevaluatedProperties`` / ``propertyNames``, the node is left as it is (the engine's policy refuses it by
+name).
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+from neuron_constrain.structured.schema.algebra import pattern_names, regular
+from neuron_constrain.structured.schema.algebra.caps import Over
+from neuron_constrain.structured.schema.algebra.logic import meet
+from neuron_constrain.structured.constraints import ConstraintError
+
+
+_NEGATED = frozenset({"not", "if", "oneOf"})  # where a narrower subschema could widen what the schema accepts
+
+
+def explicit_regions(schema: dict, walk) -> None:
+    """Every object node of ``schema`` with ``patternProperties`` rewritten in place (the module docstring).
+    In a schema holding `not`/`if`/`oneOf` (a ``$ref`` may bring a node under one), only nodes whose patterns
+    read alike in both dialects (exact, not narrower). ``walk``: ``rewrite.walk``."""
+    nodes = list(walk(schema))
+    negating = any(_NEGATED & set(node) for _, node in nodes)
+    for _, node in nodes:
+        table = node.get("patternProperties")
+        if not isinstance(table, dict) or not table or {"unevaluatedProperties", "propertyNames"} & set(node):
+            continue
+        if negating and not all(isinstance(s, str) and pattern_names.reads_alike(s) for s in table):
+            continue
+        try:
+            written = _regions(node, table)
+        except (Over, ConstraintError):
+            continue
+        if written is not None:
+            node.update(written)
+
+
+def _regions(node: dict, table: dict) -> dict | None:
+    properties = node.get("properties", {})
+    required = node.get("required", [])
+    extra = node.get("additionalProperties", {})
+    if not isinstance(properties, dict) or not isinstance(required, list) or not all(isinstance(p, str) for p in table):
+        return None
+    declared = dict(properties)
+    for name in required:
+        if isinstance(name, str) and name not in declared:
+            found = [sub for source, sub in table.items() if regular.referee_match(source, name)]
+            declared[name] = functools.reduce(meet, found) if found else extra
+    for name in declared:
+        if name in properties:
+            for source, sub in table.items():
+                if regular.referee_match(source, name):
+                    declared[name] = meet(declared[name], sub)
+    # the declared names exactly, in both dialects (a final `$` would also find "d\n" in Python's)
+    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?![\\s\\S])" if declared else None
+    unnamed = regular.complement_pattern(names) if names else None
+    if names and unnamed is None:
+        return None
+    regions = {}
+    for source, sub in table.items():
+        region = source if unnamed is None else regular.intersect_patterns((source, unnamed))  # read as engines do
+        if region is None:
+            return None
+        if region is not False:
+            regions[region] = sub
+    if extra is not False:
+        rest = regular.complement_pattern("|".join([f"(?:{s})" for s in table] + ([names] if names else [])))
+        if rest is None:
+            return None
+        if rest is not False:
+            regions[rest] = extra
+    return {"properties": declared, "patternProperties": regions, "additionalProperties": False} if declared else \
+        {"patternProperties": regions, "additionalProperties": False}
+
+
+def _escaped(name: str) -> str:
+    """``name`` as an ECMA-262 pattern matching it literally (the syntax characters escaped)."""
+    return re.sub(r"([\\^$.*+?()\[\]{}|/-])", r"\\\1", name)

@@ -1,0 +1,84 @@
+"""``patternProperties`` on xgrammar: each name's region written out and the object closed
+(``schema/pattern_members.py``), judged against the referee on instances around each region's edges, and
+walked at random through xgrammar's masks."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured.schema import pattern_members, prepare
+from neuron_constrain.structured.schema.rewrite import walk
+from neuron_constrain.testing import toy_tokenizer
+from neuron_constrain.testing.schemas import differential, walks
+
+pytestmark = pytest.mark.torch_agnostic(lane="latest")  # host-side: the same on every torch
+
+# (schema, instances): valid and invalid ones around each region
+CASES = {
+    "additional keys": ({"type": "object", "patternProperties": {"^a": {"type": "integer"}},
+                         "additionalProperties": {"type": "string"}},
+                        [{"a1": 1}, {"a1": "x"}, {"b": "x"}, {"b": 1}, {"ab": 2, "c": "d"}, {"": "e"}, {"": 3}]),
+    "open, no additional schema": ({"type": "object", "patternProperties": {"^a": {"type": "integer"}}},
+                                   [{"a1": 1}, {"a1": "x"}, {"b": [1]}, {}]),
+    "a declared name a pattern finds": ({"type": "object", "properties": {"ab": {"type": "integer", "minimum": 5}},
+                                         "patternProperties": {"^a": {"type": "integer", "maximum": 10}},
+                                         "additionalProperties": False},
+                                        [{"ab": 7}, {"ab": 12}, {"ab": 3}, {"ac": 3}, {"ac": 30}, {"b": 1}]),
+    "a required name only a pattern covers": ({"type": "object", "patternProperties": {"^a": {"type": "integer"}},
+                                               "required": ["ax"], "additionalProperties": {"type": "boolean"}},
+                                              [{"ax": 1}, {"ax": "s"}, {}, {"ay": 1}, {"ax": 1, "b": True},
+                                               {"ax": 1, "b": 2}]),
+    "a pattern finding every name": ({"type": "object", "properties": {"basic": {"type": "boolean"}},
+                                      "patternProperties": {".*": {"type": ["boolean", "string"]}}},
+                                     [{"basic": True}, {"basic": "x"}, {"basic": True, "z": "y"}, {"z": 1}]),
+}
+
+
+@pytest.fixture(scope="module")
+def xgrammar():
+    return E.make_engine("xgrammar", toy_tokenizer())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_region_is_exact_on_xgrammar(xgrammar, name):
+    schema, instances = CASES[name]
+    view = prepare.prepare(S.json_schema(schema, strict=False)).view("xgrammar")
+    assert view.schema["additionalProperties"] is False and not view.found  # closed, nothing refused
+    verdict = differential(xgrammar, schema, instances, strict=False)
+    judge = jsonschema.Draft202012Validator(schema)
+    assert verdict.refused is None and not verdict.unsound and not verdict.over_restricted, verdict
+    assert verdict.accepted_valid == sum(judge.is_valid(i) for i in instances) > 0, verdict
+    compiled = xgrammar.compile(S.json_schema(schema, strict=False))
+    for tokens in walks(xgrammar, compiled, 20, seed=len(name), max_tokens=40):
+        text = xgrammar.tokenizer.decode(tokens)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            continue  # cut at max_tokens
+        assert judge.is_valid(value), (name, text)
+
+
+def test_a_name_one_dialect_finds_is_never_written_with_the_other_schema(xgrammar):
+    """Python's `\\d` finds `١` (an Arabic-Indic digit), ECMA-262's does not: the referee applies the pattern's
+    schema, an engine's reading would not. The name is in no region: refused, never written with a schema the
+    referee does not apply (narrower, sound)."""
+    schema = {"type": "object", "patternProperties": {"^\\d+$": {"type": "integer"}},
+              "additionalProperties": {"type": "string"}}
+    verdict = differential(xgrammar, schema, [{"12": 1}, {"x": "s"}, {"\u0661": 1}, {"\u0661": "s"}], strict=False)
+    assert not verdict.unsound and verdict.accepted_valid == 2 and verdict.over_restricted == ['{"\u0661": 1}'], verdict
+
+
+def test_beside_a_negation_only_patterns_both_dialects_read_alike_are_written_out():
+    """Beside a negation (where a narrower subschema could widen the schema) only patterns both dialects read
+    alike are written out; `\\d` reads differently (a name only one finds would be in no region), so its node is
+    left as it is, for the engine's policy to refuse by name."""
+    for source, written in (("^\\d", False), ("^[0-9]", True)):  # (a final `$` reads differently too)
+        schema = {"type": "object", "patternProperties": {source: {"type": "integer"}},
+                  "not": {"type": "object", "patternProperties": {"^x": {"type": "string"}}}}
+        pattern_members.explicit_regions(schema, walk)
+        assert (schema.get("additionalProperties") is False) == written, (source, schema)
+        assert schema["not"].get("additionalProperties") is False  # `^x` reads alike: written out under the `not`
