@@ -27,7 +27,8 @@ CASES = {
     "a declared name a pattern finds": ({"type": "object", "properties": {"ab": {"type": "integer", "minimum": 5}},
                                          "patternProperties": {"^a": {"type": "integer", "maximum": 10}},
                                          "additionalProperties": False},
-                                        [{"ab": 7}, {"ab": 12}, {"ab": 3}, {"ac": 3}, {"ac": 30}, {"b": 1}]),
+                                        [{"ab": 7}, {"ab": 12}, {"ab": 3}, {"ac": 3}, {"ac": 30}, {"b": 1},
+                                         {"ab\u001c": 3}, {"ab\n": 3}, {"abc": 30}]),  # only "ab" is the declared one
     "a required name only a pattern covers": ({"type": "object", "patternProperties": {"^a": {"type": "integer"}},
                                                "required": ["ax"], "additionalProperties": {"type": "boolean"}},
                                               [{"ax": 1}, {"ax": "s"}, {}, {"ay": 1}, {"ax": 1, "b": True},

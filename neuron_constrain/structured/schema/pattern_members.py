@@ -31,6 +31,7 @@ from neuron_constrain.structured.constraints import ConstraintError
 
 
 _NEGATED = frozenset({"not", "if", "oneOf"})  # where a narrower subschema could widen what the schema accepts
+_ANY = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"  # any character, read alike by both dialects
 
 
 def explicit_regions(schema: dict, walk) -> None:
@@ -69,8 +70,8 @@ def _regions(node: dict, table: dict) -> dict | None:
             for source, sub in table.items():
                 if regular.referee_match(source, name):
                     declared[name] = meet(declared[name], sub)
-    # the declared names exactly, in both dialects (a final `$` would also find "d\n" in Python's)
-    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?![\\s\\S])" if declared else None
+    # the declared names exactly, in both dialects (a final `$` would also find "d\n" in Python's, `\s` differs)
+    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?!{_ANY})" if declared else None
     unnamed = regular.complement_pattern(names) if names else None
     if names and unnamed is None:
         return None
