@@ -33,6 +33,9 @@ CASES = {
                                                "required": ["ax"], "additionalProperties": {"type": "boolean"}},
                                               [{"ax": 1}, {"ax": "s"}, {}, {"ay": 1}, {"ax": 1, "b": True},
                                                {"ax": 1, "b": 2}]),
+    "a false region, by a pattern spelled like a keyword": ({"type": "object", "patternProperties": {
+        "additionalProperties": False, "c": {"type": "integer"}}}, [{"c": 1}, {"xcx": "s"}, {"additionalProperties": 1},
+                                                                    {"b": "s"}, {"cadditionalProperties": 1}]),
     "a pattern finding every name": ({"type": "object", "properties": {"basic": {"type": "boolean"}},
                                       "patternProperties": {".*": {"type": ["boolean", "string"]}}},
                                      [{"basic": True}, {"basic": "x"}, {"basic": True, "z": "y"}, {"z": 1}]),
@@ -83,3 +86,21 @@ def test_beside_a_negation_only_patterns_both_dialects_read_alike_are_written_ou
         pattern_members.explicit_regions(schema, walk)
         assert (schema.get("additionalProperties") is False) == written, (source, schema)
         assert schema["not"].get("additionalProperties") is False  # `^x` reads alike: written out under the `not`
+
+
+def test_auto_falls_back_to_xgrammar_where_llguidance_cannot_decide_the_regions():
+    """llguidance checks each pair of `patternProperties` regexes for overlap with a fuel of 10,000 and refuses
+    the schema where it runs out (the algebra's regions of overlapping patterns, complements written out); auto
+    tries llguidance first (its masks are faster there) and compiles these on xgrammar, exactly."""
+    engines = {name: E.make_engine(name, toy_tokenizer()) for name in ("llguidance", "auto")}
+    for schema, instances in (
+            ({"type": "object", "patternProperties": {"ab": {"type": "integer"}, "bc": {"type": "integer", "minimum": 3},
+                                                      "cd": {"maximum": 9}}},
+             [{"abc": 3}, {"abc": 2}, {"bcd": 10}, {"bcd": 5}, {"x": []}, {"abcd": 4.5}]),
+            (CASES["a false region, by a pattern spelled like a keyword"])):
+        with pytest.raises(S.ConstraintError, match="can.t determine if patternProperty regexes"):
+            engines["llguidance"].compile(S.json_schema(schema, strict=False))
+        compiled = engines["auto"].compile(S.json_schema(schema, strict=False))
+        assert compiled.engine == "xgrammar", compiled.engine
+        verdict = differential(engines["auto"], schema, instances, strict=False)
+        assert not verdict.unsound and not verdict.over_restricted and verdict.refused is None, verdict

@@ -27,10 +27,7 @@ MSG = [{"role": "user", "content": "Give me the answer."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                          "population": {"type": "integer", "minimum": 0}},
         "required": ["city", "population"], "additionalProperties": False}
-# xgrammar does not enforce a fractional multipleOf (keywords.py); llguidance does: the library's auto picks it.
-STEPPED = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 9}},
-           "required": ["x"], "additionalProperties": False}
-# patternProperties, each name's region written out (pattern_members.py): on xgrammar.
+# xgrammar does not enforce patternProperties (keywords.py); llguidance does: the library's auto picks it.
 PATTERN = {"type": "object", "patternProperties": {"^x[a-z]{0,5}$": {"type": "integer", "minimum": 0, "maximum": 9}},
            "additionalProperties": False}
 # No engine enforces these (xgrammar ignores them, llguidance refuses them); vLLM's own validation lets them through.
@@ -73,8 +70,7 @@ def assert_valid_json(schema, text: str, finish_reason: str) -> None:
     assert text is not None
     assert not raw_control(text), f"raw control characters {raw_control(text)!r} in {text!r}"
     if finish_reason == "length":
-        if schema is not PATTERN and schema is not STEPPED:  # raw xgrammar (the prefix checker) refuses some
-            # valid patternProperties keys, and reads a fractional step its own way
+        if schema is not PATTERN:  # xgrammar (the prefix checker) refuses some valid patternProperties keys
             assert grammar_accepts("json", schema, text)[0], text
         return
     assert finish_reason in ("stop", "tool_calls"), (finish_reason, text)
@@ -107,17 +103,16 @@ def test_bounded_string_takes_no_control_character(server, control_token):
 def test_auto_picks_llguidance_for_what_xgrammar_would_not_enforce(server):
     from neuron_constrain.vllm import policy
 
-    assert policy.admit(policy.from_vllm("json", json.dumps(STEPPED))) == "llguidance"  # the library's verdict
-    assert policy.admit(policy.from_vllm("json", json.dumps(PATTERN))) == "xgrammar"  # its regions written out
+    assert policy.admit(policy.from_vllm("json", json.dumps(PATTERN))) == "llguidance"  # the library's verdict
     before = engine_counters(server)
     answers = []
     for seed in range(3):
         r = server.client().chat.completions.create(
             model=MODEL, messages=MSG, max_tokens=32, temperature=1.0, seed=seed,
-            extra_body={"structured_outputs": {"json": STEPPED}})
+            extra_body={"structured_outputs": {"json": PATTERN}})
         answers.append((r.choices[0].message.content, r.choices[0].finish_reason))
     for text, finish in answers:
-        assert_valid_json(STEPPED, text, finish)
+        assert_valid_json(PATTERN, text, finish)
     assert any(finish == "stop" for _, finish in answers), answers
     after = engine_counters(server)
     assert after["llguidance"] == before["llguidance"] + 3
@@ -149,7 +144,7 @@ LOAD_TIMEOUT = 240  # seconds for the whole mix (~30-60 s on the idle 2-core mac
 def _load_mix(control_token: int):
     """(kind, spec, kwargs) for each request: constrained (schemas, regex, choice, tools), unconstrained,
     streamed, aborted (closed after the first chunk) and bad (a 4xx expected)."""
-    schemas = [("json", SCHEMAS[n]) for n in sorted(SCHEMAS)] + [("json", CITY), ("json", PATTERN), ("json", STEPPED)]
+    schemas = [("json", SCHEMAS[n]) for n in sorted(SCHEMAS)] + [("json", CITY), ("json", PATTERN)]
     bad = [
         dict(response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": 5}}}),
         dict(extra_body={"structured_outputs": {"regex": "[a-"}}),

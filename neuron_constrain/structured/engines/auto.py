@@ -16,6 +16,11 @@ Routed by cost too: a pattern whose language the library built by automata (look
 that nests deep (``Prepared.deep_languages``: ``(?=.*\\d)[a-z\\d]{8,64}``) goes to llguidance first, as a
 narrowed one does: xgrammar keeps a copy of the whole automaton per nesting level (its worker's reply grew
 past 2 GiB for that one), llguidance reads it lazily in milliseconds.
+So does a schema with ``patternProperties`` (xgrammar's view writes each name's region out,
+``schema/pattern_members.py``): xgrammar 0.2.8 masks the first character of each key there at ~60 ms on
+131k tokens (a region of any characters beside another: `^a` and the names no pattern finds), llguidance in
+microseconds; xgrammar takes it where llguidance cannot (its pairwise disjointness check of the regions
+gives up).
 
 Routed by meaning: where xgrammar would take fewer values than the schema (its narrowing: a
 bounded string written without escapes: ``"a\\"b"`` refused; untyped nodes are split by type,
@@ -42,7 +47,7 @@ engine that made each matcher.
 
     xgrammar's view of the prepared constraint (policy "refuse"):
       refused            -> llguidance (the request's policy); failing that, under "allow": xgrammar, listed
-      bounded strings, or deep -> llguidance; failing that: xgrammar's (narrowed) grammar
+      bounded strings, deep, or pattern keys -> llguidance; failing that: xgrammar's grammar
       exact (the race)   -> llguidance's grammar now, xgrammar's once ready (RacingMatcher)
       exact, race=False  -> xgrammar
 """
@@ -58,12 +63,18 @@ import torch
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine
 from neuron_constrain.structured.schema.limits import LimitError
+from neuron_constrain.structured.schema.rewrite import walk
 from neuron_constrain.structured.schema.satisfiable import UnsatisfiableError
 from neuron_constrain.structured.engines.llguidance.engine import LLGuidanceEngine, LLGuidanceMatcher
 from neuron_constrain.structured.engines.item_tracker import ItemTrackingMatcher
 from neuron_constrain.structured.engines.race import RacingMatcher
 from neuron_constrain.structured.schema.prepare import Prepared, prepare
 from neuron_constrain.structured.engines.xgrammar.engine import XGrammarEngine
+
+
+def _pattern_keys(view) -> bool:
+    """Whether xgrammar's view writes ``patternProperties`` keys (``schema/pattern_members.py``)."""
+    return isinstance(view.schema, dict) and any(node.get("patternProperties") for _, node in walk(view.schema))
 
 
 class AutoEngine(GrammarEngine):
@@ -102,7 +113,8 @@ class AutoEngine(GrammarEngine):
         except ConstraintError as refused:
             view, xgrammar_said = None, str(refused)
         if view is not None:
-            if (self.xgrammar.narrowed_strings(view) and not self.narrow_bounded_strings) or prepared.deep_languages:
+            if (self.xgrammar.narrowed_strings(view) and not self.narrow_bounded_strings) or prepared.deep_languages \
+                    or _pattern_keys(view):
                 try:  # an engine exact on the whole schema first; xgrammar's narrowed grammar is the fallback
                     return self.llguidance.compile(prepared, policy="refuse")
                 except (ConstraintError, ImportError, ValueError):

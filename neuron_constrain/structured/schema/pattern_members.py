@@ -80,7 +80,7 @@ def _regions(node: dict, table: dict) -> dict | None:
         region = source if unnamed is None else regular.intersect_patterns((source, unnamed))  # read as engines do
         if region is None:
             return None
-        if region is not False:
+        if region is not False and sub is not False:  # a name of a `false` region is in none: never written
             regions[region] = sub
     if extra is not False:
         rest = regular.complement_pattern("|".join([f"(?:{s})" for s in table] + ([names] if names else [])))
@@ -88,7 +88,8 @@ def _regions(node: dict, table: dict) -> dict | None:
             return None
         if rest is not False:
             regions[rest] = extra
-    return {"properties": declared, "patternProperties": regions, "additionalProperties": False} if declared else \
+    kept = {name: sub for name, sub in declared.items() if sub is not False or name in required}  # (as regions)
+    return {"properties": kept, "patternProperties": regions, "additionalProperties": False} if kept else \
         {"patternProperties": regions, "additionalProperties": False}
 
 

@@ -134,6 +134,12 @@ def _json_escapes(codes) -> str:
 
 
 def _ebnf_set(ranges, json: bool) -> str:
+    parts = _ebnf_set_parts(ranges, json)
+    return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
+
+
+def _ebnf_set_parts(ranges, json: bool) -> list[str]:
+    """The set as EBNF alternatives: its class, and its escapes where ``json``."""
     parts = []
     plain = subtract(ranges, _JSON_ESCAPED) if json else ranges
     if plain:
@@ -147,20 +153,31 @@ def _ebnf_set(ranges, json: bool) -> str:
         escaped = [code for lo, hi in subtract(ranges, complement(_JSON_ESCAPED)) for code in range(lo, hi + 1)]
         if escaped:
             parts.append(_json_escapes(escaped))
-    return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
+    return parts
 
 
-def _ebnf(node, json: bool) -> str:
+def _ebnf(node, json: bool, rules: dict | None = None, prefix: str = "p") -> str:
     kind = node[0]
     if kind == "chars":
         return _ebnf_set(node[1], json)
     if kind == "seq":
-        return "(" + " ".join(_ebnf(child, json) for child in node[1]) + ")" if node[1] else '""'
+        return "(" + " ".join(_ebnf(child, json, rules, prefix) for child in node[1]) + ")" if node[1] else '""'
     if kind == "alt":
-        return "(" + " | ".join(_ebnf(child, json) for child in node[1]) + ")"
+        return "(" + " | ".join(_ebnf(child, json, rules, prefix) for child in node[1]) + ")"
     lo, hi = node[2], node[3]
-    inner = _ebnf(node[1], json)
-    if node[1][0] == "repeat":  # a quantifier on a quantified element: grouped, as EBNF takes one suffix
+    child = node[1]
+    if rules is not None and hi is None and lo < 2 and child[0] in ("chars", "alt") and not (
+            child[0] == "chars" and len(_ebnf_set_parts(child[1], json)) == 1):
+        # xgrammar masks a star over anything but one class at 50-60 ms a token on 131k tokens (an escape beside
+        # a class, ``(c | "\\" e)*``), a right-recursive rule of flat alternatives in microseconds (its own
+        # strings are written so: ``s ::= "" | c s | "\\" e s``)
+        parts = _ebnf_set_parts(child[1], json) if child[0] == "chars" else \
+            [_ebnf(c, json, rules, prefix) for c in child[1]]
+        name = f"{prefix}r{len(rules)}"  # after the parts' own rules: a name no part took
+        rules[name] = " | ".join(['""'] + [f"{part} {name}" for part in parts])
+        return name if lo == 0 else "(" + " | ".join(f"{part} {name}" for part in parts) + ")"
+    inner = _ebnf(child, json, rules, prefix)
+    if child[0] == "repeat":  # a quantifier on a quantified element: grouped, as EBNF takes one suffix
         inner = f"({inner})"
     return f"{inner}{_count(lo, hi)}" if hi is None and lo < 2 or (lo, hi) == (0, 1) else \
         f"{inner}{{{lo},{-1 if hi is None else hi}}}"
@@ -174,7 +191,7 @@ def to_ebnf(pattern: Pattern, *, search: bool, json: bool, rules: dict | None = 
     ``rules``."""
     tree = _built(pattern, search)
     if tree[0] != "automaton":
-        return _ebnf(tree, json)
+        return _ebnf(tree, json, rules, prefix)
     if rules is None:
         raise _unwritable(pattern)
     automaton = tree[1]
