@@ -71,7 +71,7 @@ class Allowlist:
     entries: tuple[Enforced, ...]
     formats: frozenset
     rewrites: tuple[str, ...] = ()  # "distribute", "narrow" (rewrite.py); "split_types", "values", "integral" (values.py);
-    # "pattern_members" (pattern_members.py)
+    # "pattern_members", "pattern_dialects" (pattern_members.py)
     evidence: str = ""
     regex: frozenset = frozenset()  # names of patterns.REFUSED this engine enforces exactly
     pattern_form: str = ""  # in words, for the engines guide's regex table
@@ -239,6 +239,8 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
         values.split_types(prepared, rewrite.walk)
     if "pattern_members" in lists.rewrites:  # each name's region explicit, the object closed
         pattern_members.explicit_regions(prepared, rewrite.walk)
+    elif "pattern_dialects" in lists.rewrites:  # so where a pattern reads differently in the referee's dialect
+        pattern_members.explicit_regions(prepared, rewrite.walk, where_dialects_differ=True)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
         rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))

@@ -34,18 +34,24 @@ _NEGATED = frozenset({"not", "if", "oneOf"})  # where a narrower subschema could
 _ANY = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"  # any character, read alike by both dialects
 
 
-def explicit_regions(schema: dict, walk) -> None:
+def explicit_regions(schema: dict, walk, *, where_dialects_differ: bool = False) -> None:
     """Every object node of ``schema`` with ``patternProperties`` rewritten in place (the module docstring).
     In a schema holding `not`/`if`/`oneOf` (a ``$ref`` may bring a node under one), only nodes whose patterns
-    read alike in both dialects (exact, not narrower). ``walk``: ``rewrite.walk``."""
+    read alike in both dialects (exact, not narrower). ``where_dialects_differ`` (llguidance, which reads each
+    pattern as the engines do and gives every other name ``additionalProperties``): only open objects with a
+    pattern the dialects read differently (``^[a-z]+$`` finds ``"ab\n"`` in Python's, the referee's: an
+    additional key there, but the pattern's schema for the referee). ``walk``: ``rewrite.walk``."""
     nodes = list(walk(schema))
     negating = any(_NEGATED & set(node) for _, node in nodes)
     for _, node in nodes:
         table = node.get("patternProperties")
         if not isinstance(table, dict) or not table or {"unevaluatedProperties", "propertyNames"} & set(node):
             continue
-        if negating and not all(isinstance(s, str) and pattern_names.reads_alike(s) for s in table):
-            continue
+        alike = all(isinstance(s, str) and pattern_names.reads_alike(s) for s in table)
+        if negating and not alike:
+            continue  # narrower (a name one dialect finds is in no region), which a negation could widen
+        if where_dialects_differ and (alike or node.get("additionalProperties") is False):
+            continue  # llguidance: each name the same in both dialects, or closed (such a name refused either way)
         try:
             written = _regions(node, table)
         except (Over, ConstraintError):

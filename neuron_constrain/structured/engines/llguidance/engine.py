@@ -67,7 +67,9 @@ ENFORCES = keywords.register(keywords.Allowlist(
                           keywords.both(keywords.count("maxProperties"), _all_required)),
     ),
     _FORMATS,
-    rewrites=("values",),  # enum/const arrays and objects as schemas: any whitespace (schema/values.py)
+    # enum/const arrays and objects as schemas: any whitespace (schema/values.py); an open object's patterns the
+    # two dialects read differently (`$` before a last newline in Python's) written out (schema/pattern_members.py)
+    rewrites=("values", "pattern_dialects"),
     evidence="llguidance's json_schema.md; tests/structured/test_soundness.py (the differential test), llguidance 1.9.1",
     pattern_form="`^(?:...)$` in the plain syntax (`pattern_text.to_regex`), over the string's characters",
 ))
