@@ -116,3 +116,11 @@ def test_a_name_only_the_referee_finds_never_takes_the_additional_schema(pattern
             engine = E.make_engine(name, toy_tokenizer())
             verdict = differential(engine, schema, [{"abc\n": "x"}, {"\n": "x"}, {"abc": 1}, {"\t": 1}], strict=False)
             assert verdict.refused is None and not verdict.unsound, (name, verdict)
+
+
+def test_a_pattern_the_referee_cannot_read_is_left_to_the_policy():
+    """A named group (ECMA-262's `(?<n>...)`, which Python's `re` does not read) beside a declared name: the node is
+    left as written (the name cannot be judged against it) and the policy refuses it by name, never a crash."""
+    schema = {"type": "object", "properties": {"ab": {}}, "patternProperties": {"(?<n>a)": {"type": "integer"}}}
+    with pytest.raises(S.ConstraintError, match="patternProperties"):
+        E.make_engine("xgrammar", toy_tokenizer()).compile(S.json_schema(schema, strict=False))

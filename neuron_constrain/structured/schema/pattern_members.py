@@ -54,7 +54,7 @@ def explicit_regions(schema: dict, walk, *, where_dialects_differ: bool = False)
             continue  # llguidance: each name the same in both dialects, or closed (such a name refused either way)
         try:
             written = _regions(node, table)
-        except (Over, ConstraintError):
+        except (Over, ConstraintError, re.error):  # a cap; a pattern one reader refuses (the policy names it)
             continue
         if written is not None:
             node.update(written)
