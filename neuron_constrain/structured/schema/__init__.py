@@ -6,5 +6,5 @@
 It imports neither ``engines`` nor ``runtime`` (ARCHITECTURE.md). The modules below are what the other
 rooms may import.
 """
-__all__ = ["algebra", "code_points", "formats", "item_plan", "keywords", "limits", "pattern_text", "patterns", "prepare",
-           "rewrite", "satisfiable", "values"]
+__all__ = ["algebra", "code_points", "formats", "item_plan", "keywords", "limits", "pattern_members", "pattern_text",
+           "patterns", "prepare", "rewrite", "satisfiable", "values"]

@@ -137,7 +137,6 @@ _URI_TEMPLATE = (f"(?:[\\x21\\x23\\x24\\x26\\x28-\\x3B\\x3D\\x3F-\\x5B\\x5D\\x5F
 _JSON_POINTER = "(?:/(?:[^~/]|~[01])*)*"
 
 
-
 def _ordered_ranges(low: str, high: str) -> str:
     """Every class range ``x-y`` with ``low <= x <= y <= high`` (a range out of order is an error in both readers)."""
     return "|".join(f"{c}-[{c}-{high}]" for c in map(chr, range(ord(low), ord(high) + 1)))
