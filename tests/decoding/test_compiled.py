@@ -47,6 +47,9 @@ def decoders(packages):
 
 
 def _tokens(decoder, **options):
+    """Each request's tokens; on one engine (xgrammar unless ``engine`` says): ``auto``'s race may move a request
+    at another token in each run (its bounded string is exact on both engines, so it is raced)."""
+    options.setdefault("engine", "xgrammar")
     prompts, constraints = zip(*REQUESTS)
     result = S.generate(decoder, list(prompts), list(constraints), MAX_NEW, tokenizer=VOCAB, **options)
     return [(o.tokens, o.finish_reason, o.error) for o in result.outputs], result
