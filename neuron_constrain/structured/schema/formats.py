@@ -31,7 +31,7 @@ import re
 from typing import Callable
 
 from neuron_constrain.structured.schema import rewrite
-from neuron_constrain.structured.schema.algebra import caps, regular
+from neuron_constrain.structured.schema.algebra import caps, lengths, regular
 from neuron_constrain.structured.constraints import ConstraintError
 
 
@@ -245,10 +245,6 @@ def lengths_beside_pattern(why_not: Callable[[str, dict, dict], "str | None"]) -
     return all(why_not(k, _BOUNDED_PATTERN, _BOUNDED_PATTERN) is None for k in ("minLength", "maxLength"))
 
 
-_ANY_LENGTH = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"
-_NEGATED = frozenset({"not", "if", "oneOf"})  # keywords whose subschemas a valid value may need to fail
-
-
 def write_patterns(schema: dict, lengths_beside_pattern: bool, narrowed: list | None = None) -> None:
     """Each ``format`` of ``schema`` (modified in place) with a grammar here written as a ``pattern``,
     intersected with the node's own pattern; its length bounds kept beside (``lengths_beside_pattern``:
@@ -264,7 +260,7 @@ def write_patterns(schema: dict, lengths_beside_pattern: bool, narrowed: list | 
         narrowed: receives the JSON pointers of the nodes given a grammar narrower than their format.
     """
     nodes = list(rewrite.walk(schema))
-    negating = any(_NEGATED & set(node) for _, node in nodes)
+    negating = any(rewrite.NEGATING & set(node) for _, node in nodes)
     for path, node in nodes:
         found = grammar(node["format"]) if isinstance(node.get("format"), str) else None
         if found is None or (negating and not found.exact):
@@ -278,9 +274,9 @@ def write_patterns(schema: dict, lengths_beside_pattern: bool, narrowed: list | 
                 pattern, low = found.nonempty or pattern, 0
                 node.pop("minLength", None)
         if not lengths_beside_pattern and (low or high is not None):
-            bounded = _intersect((pattern, f"^{_ANY_LENGTH}{{{low},{'' if high is None else high}}}$"))
-            if bounded is not None:
-                pattern, low, high = bounded, 0, None
+            bounded = lengths.within(pattern, low, high)
+            if bounded is not None and bounded[1]:  # exact only: a narrower format grammar is listed by itself
+                pattern, low, high = bounded[0], 0, None
                 node.pop("minLength", None)
                 node.pop("maxLength", None)
         del node["format"]

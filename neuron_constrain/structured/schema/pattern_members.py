@@ -24,14 +24,12 @@ from __future__ import annotations
 import functools
 import re
 
+from neuron_constrain.structured.schema import rewrite
 from neuron_constrain.structured.schema.algebra import pattern_names, regular
+from neuron_constrain.structured.schema.algebra.lengths import ANY_CHARACTER
 from neuron_constrain.structured.schema.algebra.caps import Over
 from neuron_constrain.structured.schema.algebra.logic import meet
 from neuron_constrain.structured.constraints import ConstraintError
-
-
-_NEGATED = frozenset({"not", "if", "oneOf"})  # where a narrower subschema could widen what the schema accepts
-_ANY = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"  # any character, read alike by both dialects
 
 
 def explicit_regions(schema: dict, walk, *, where_dialects_differ: bool = False) -> None:
@@ -42,7 +40,7 @@ def explicit_regions(schema: dict, walk, *, where_dialects_differ: bool = False)
     pattern the dialects read differently (``^[a-z]+$`` finds ``"ab\n"`` in Python's, the referee's: an
     additional key there, but the pattern's schema for the referee). ``walk``: ``rewrite.walk``."""
     nodes = list(walk(schema))
-    negating = any(_NEGATED & set(node) for _, node in nodes)
+    negating = any(rewrite.NEGATING & set(node) for _, node in nodes)
     for _, node in nodes:
         table = node.get("patternProperties")
         if not isinstance(table, dict) or not table or {"unevaluatedProperties", "propertyNames"} & set(node):
@@ -77,7 +75,7 @@ def _regions(node: dict, table: dict) -> dict | None:
                 if regular.referee_match(source, name):
                     declared[name] = meet(declared[name], sub)
     # the declared names exactly, in both dialects (a final `$` would also find "d\n" in Python's, `\s` differs)
-    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?!{_ANY})" if declared else None
+    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?!{ANY_CHARACTER})" if declared else None
     unnamed = regular.complement_pattern(names) if names else None
     if names and unnamed is None:
         return None

@@ -36,6 +36,8 @@ FAMILIES = {
                          "unevaluatedProperties"}),
 }
 FAMILY_TYPES = {"string": ("string",), "number": ("integer", "number"), "array": ("array",), "object": ("object",)}
+# Keywords whose subschemas a valid value may need to fail: where a narrower subschema could widen what a schema accepts.
+NEGATING = frozenset({"not", "if", "oneOf"})
 # Keywords that assert something of any instance; with FAMILIES, the vocabulary the allowlists judge.
 GENERIC = frozenset({"type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "$ref", "$dynamicRef",
                      "$recursiveRef"})

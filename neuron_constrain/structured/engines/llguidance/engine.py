@@ -16,6 +16,7 @@ stop bits, so mask and accept agree (a dead end allows nothing).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Sequence
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from neuron_constrain.structured.schema import keywords, patterns
+from neuron_constrain.structured.schema.algebra import lengths
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 from neuron_constrain.structured.schema.pattern_text import constraint_regex, to_regex
 from neuron_constrain.structured.engines.base import CompiledGrammar, GrammarEngine, check_rows, fill_each
@@ -135,6 +137,11 @@ class LLGuidanceEngine(GrammarEngine):
         constraint = dataclasses.replace(view.constraint, unenforced=policy or original.unenforced)
         options: dict = {}
         template, message = self._template(constraint, options)
+        narrowed = tuple(view.narrowed)
+        if _UNPROVEN in message and constraint.kind == "json_schema":
+            spec, written_narrower = _lengths_in_patterns(constraint.spec)
+            constraint, narrowed = dataclasses.replace(constraint, spec=spec), narrowed + tuple(written_narrower)
+            template, message = self._template(constraint, options)
         if not message and constraint.strict and constraint.kind == "json_schema" and _one_of(constraint.spec):
             # strict mode closes objects, which can make overlapping oneOf branches look disjoint to llguidance
             # ({"a": 1, "b": 2} in an enum beside {"required": ["b"]}); JSON Schema judges the schema as sent
@@ -156,7 +163,7 @@ class LLGuidanceEngine(GrammarEngine):
                 "schema/pattern/grammar, or use engine='xgrammar'"
             )
         self._listen(constraint, template)
-        return CompiledGrammar(self.name, original, template, unenforced, view.narrowed, item_checks=view.plan)
+        return CompiledGrammar(self.name, original, template, unenforced, narrowed, item_checks=view.plan)
 
     def _listen(self, constraint: Constraint, template) -> None:
         """llguidance's warnings name what it compiled without (``Unimplemented keys`` under ``lenient``,
@@ -211,6 +218,34 @@ class LLGuidanceEngine(GrammarEngine):
 
 def _one_of(schema) -> bool:
     return any("oneOf" in node for _, node in keywords.rewrite.walk(schema))
+
+
+# llguidance proves a pattern beside length bounds non-empty within a fixed budget (10,000 derivative steps)
+_UNPROVEN = "Unable to determine if regex is empty"
+
+
+def _lengths_in_patterns(spec) -> tuple:
+    """A copy of ``spec`` with each ``pattern`` beside ``minLength``/``maxLength`` written as one pattern of those
+    lengths (``algebra.lengths``: no proof left to llguidance), and the JSON pointers of those written narrower
+    (never in a schema with `not`/`if`/`oneOf`, where a narrower subschema could widen what it accepts)."""
+    spec = copy.deepcopy(spec)
+    nodes = list(keywords.rewrite.walk(spec))
+    negating = any(keywords.rewrite.NEGATING & set(node) for _, node in nodes)
+    narrowed = []
+    for path, node in nodes:
+        low, high = node.get("minLength", 0), node.get("maxLength")
+        if not isinstance(node.get("pattern"), str) or "format" in node or not (low or high is not None) or not all(
+                type(bound) is int for bound in (low, 0 if high is None else high)):
+            continue
+        written = lengths.within(node["pattern"], low, high)
+        if written is None or negating and not written[1]:
+            continue
+        node["pattern"] = written[0]
+        node.pop("minLength", None)
+        node.pop("maxLength", None)
+        if not written[1]:
+            narrowed.append(path)
+    return spec, narrowed
 
 
 def _pattern_regex(source: str) -> str | None:

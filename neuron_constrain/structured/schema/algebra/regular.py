@@ -106,9 +106,7 @@ def _written(dfa: Dfa, meaning: tuple):
     tree = dfa.expression()
     if tree is None:
         return False
-    over("pattern_chars", _length(tree, {}))  # before writing: shared subtrees would be written out each time
-    body = _write(tree)
-    source = f"^(?:{body})$"
+    source = write(tree)
     _WRITTEN[source] = meaning
     _WRITTEN.move_to_end(source)
     while len(_WRITTEN) > _WRITTEN_KEPT:
@@ -117,6 +115,18 @@ def _written(dfa: Dfa, meaning: tuple):
 
 
 # --------------------------------------------------------------------------- text
+def write(tree) -> str:
+    """``tree`` (sets, sequences, alternations, repetitions) as one anchored pattern, ``^(?:...)$``, that the
+    library's parser and Python's ``re`` read alike.
+
+    Raises:
+        Over: it would pass ``CAPS["pattern_chars"]`` (measured before writing: state elimination shares
+            subtrees, which the text writes out each time).
+    """
+    over("pattern_chars", _length(tree, {}))
+    return f"^(?:{_write(tree)})$"
+
+
 def _write_code(code: int) -> str:
     char = chr(code)
     if char.isascii() and char.isalnum() or code > 0xFFFF:

@@ -1,0 +1,197 @@
+"""A pattern's strings cut to a length range and written as one pattern: ``minLength``/``maxLength``
+beside a ``pattern`` for an engine that cannot weigh them there.
+
+    within(r"^([a-z][0-9])+$", 1000, None)   # ('^(?:(?:[a-z][0-9]){500,})$', True): the pattern, exact or not
+    cut(tree, 3, 8)                          # (tree', exact): tree' matches only tree's strings of 3-8 characters
+
+llguidance 1.9 intersects a pattern with its length bounds itself and proves the intersection non-empty
+within a fixed budget (10,000 derivative steps: "Unable to determine if regex is empty"); a long
+``minLength`` beside a pattern passes that budget (``([a-z][0-9])+`` with ``minLength: 1000``). Written into
+the pattern, the bound needs no proof.
+
+Exact where the automaton of the intersection fits the algebra's caps (``regular.intersect_patterns`` with
+a pattern of so many characters), or where the pattern's tree makes it so (:func:`cut`): a repetition of
+a part of one width counts (``(ab)+`` from 1000 characters: ``(ab){500,}``), a sequence whose parts but one
+have one width gives that one what the bound leaves, an alternation cuts each branch. Elsewhere narrower,
+never wider: a repetition of parts of varying width counts so that its narrowest pieces reach the least
+and its widest stay under the most; a sequence gives the characters it lacks to its parts that can
+grow (one without a most first) and shares what the most allows among them. The caller lists a narrower
+pattern (``CompiledGrammar.narrowed``).
+"""
+from __future__ import annotations
+
+from neuron_constrain.structured.constraints import ConstraintError
+from neuron_constrain.structured.schema import patterns
+from neuron_constrain.structured.schema.algebra import regular
+from neuron_constrain.structured.schema.algebra.caps import Over
+
+# any character, written so that both dialects (and the library's parser) read it alike
+ANY_CHARACTER = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"
+_TRIES = 64  # counts a repetition of varying pieces tries under a most before it gives up
+
+
+def within(source: str, low: int, high: int | None) -> tuple[str, bool] | None:
+    """``source``'s strings (a JSON Schema ``pattern``: a search) of ``low`` to ``high`` characters (None: no
+    most) as one anchored pattern, and whether it is exact (else narrower); None where no pattern is written
+    here (a refused feature, no string left, a cap)."""
+    try:
+        exact = regular.intersect_patterns((source, f"^{ANY_CHARACTER}{{{low},{'' if high is None else high}}}$"))
+    except (Over, ConstraintError):
+        exact = None
+    if isinstance(exact, str):
+        return exact, True
+    if exact is False:
+        return None  # no string of the pattern has such a length
+    try:
+        pattern = patterns.parse(source)
+    except ConstraintError:
+        return None
+    tree = None if pattern.refused is not None else patterns.full_match(pattern, search=True)
+    if tree is None or not _regular(tree):
+        return None  # a refused feature, or assertions: only the automaton (capped above) writes those
+    bounded, is_exact = cut(tree, low, high)
+    if bounded is None:
+        return None
+    try:
+        return regular.write(bounded), is_exact
+    except Over:
+        return None
+
+
+def cut(tree, low: int, high: int | None) -> tuple[tuple | None, bool]:
+    """A tree matching only strings ``tree`` matches of ``low`` to ``high`` characters (None: no string), and
+    whether it matches all of them. ``tree``: sets, sequences, alternations, repetitions."""
+    widths: dict = {}
+    fewest, most = _width(tree, widths)
+    if low <= fewest and (high is None or most is not None and most <= high):
+        return tree, True
+    if most is not None and most < low or high is not None and fewest > high:
+        return None, True
+    kind = tree[0]
+    if kind == "alt":
+        kept, exact = [], True
+        for branch in tree[1]:
+            part, part_exact = cut(branch, low, high)
+            exact &= part_exact
+            if part is not None:
+                kept.append(part)
+        return (None if not kept else kept[0] if len(kept) == 1 else ("alt", tuple(kept))), exact
+    if kind == "repeat":
+        return _cut_repeat(tree, low, high, widths)
+    return _cut_seq(tree, low, high, widths)  # a set is one character: always decided above
+
+
+def _cut_repeat(tree, low: int, high: int | None, widths: dict):
+    body, least, greatest = tree[1], tree[2], tree[3]
+    narrow, wide = _width(body, widths)
+    if narrow == wide:  # pieces of one width (never 0: the repetition's width would be 0, decided above)
+        count_low = max(least, -(-low // narrow))
+        count_high = _smaller(greatest, None if high is None else high // narrow)
+        return (("repeat", body, count_low, count_high) if count_high is None or count_low <= count_high else None), \
+            True
+    if narrow == 0:  # pieces that may be empty: the same strings repeat the non-empty ones, any count from 0
+        body, exact = cut(body, 1, high)
+        if body is None:
+            return None, exact
+        part, part_exact = cut(("repeat", body, 0, greatest), low, high)
+        return part, exact and part_exact
+    count_low = max(least, -(-low // narrow))  # narrowest pieces reach ``low``
+    if high is None:
+        if greatest is None or count_low <= greatest:
+            return ("repeat", body, count_low, greatest), False
+        piece, _ = cut(body, -(-low // greatest), None)  # ``greatest`` pieces, each wide enough
+        return (None if piece is None else ("repeat", piece, greatest, greatest)), False
+    if wide is not None:  # widest pieces stay under ``high``
+        count_high = _smaller(greatest, high // wide)
+        if count_low <= count_high:
+            return ("repeat", body, count_low, count_high), False
+    for count in range(max(least, 1), max(least, 1) + _TRIES):  # a count, and pieces cut to share the range
+        if greatest is not None and count > greatest or count * narrow > high:
+            break
+        piece, _ = cut(body, -(-low // count), high // count)
+        if piece is not None:
+            return ("repeat", piece, count, count), False
+    return None, False
+
+
+def _cut_seq(tree, low: int, high: int | None, widths: dict):
+    items = tree[1]
+    spans = [_width(item, widths) for item in items]
+    fewest = sum(narrow for narrow, _ in spans)
+    varying = [i for i, (narrow, wide) in enumerate(spans) if narrow != wide]
+    if len(varying) == 1:  # the others have one width: this one takes the rest of the range, exactly
+        i = varying[0]
+        rest = fewest - spans[i][0]
+        part, exact = cut(items[i], max(low - rest, 0), None if high is None else high - rest)
+        return (None if part is None else ("seq", (*items[:i], part, *items[i + 1:]))), exact
+    # what each varying part must add to its fewest (``more``) and may add (``room``), shared in turn
+    room_of = {i: None if spans[i][1] is None else spans[i][1] - spans[i][0] for i in varying}
+    order = sorted(varying, key=lambda i: (room_of[i] is not None, -(room_of[i] or 0)))  # no most first
+    more, lacking = dict.fromkeys(varying, 0), max(low - fewest, 0)
+    for i in order:
+        more[i] = lacking if room_of[i] is None else min(lacking, room_of[i])
+        lacking -= more[i]
+    if lacking:
+        return None, False
+    room = dict(room_of)
+    if high is not None:
+        spare = high - fewest - sum(more.values())
+        if spare < 0:
+            return None, False
+        bounded = sorted((i for i in varying if room_of[i] is not None), key=lambda i: room_of[i])
+        for i in bounded:  # parts with a little room first keep all of it where the spare allows
+            room[i] = more[i] + min(room_of[i] - more[i], spare)
+            spare -= room[i] - more[i]
+        unbounded = [i for i in varying if room_of[i] is None]
+        for n, i in enumerate(unbounded):  # the rest shared alike among the parts without a most
+            share = spare // len(unbounded) + (1 if n < spare % len(unbounded) else 0)
+            room[i] = more[i] + share
+    parts = list(items)
+    for i in varying:
+        narrow = spans[i][0]
+        if more[i] == 0 and room[i] == room_of[i]:
+            continue  # this part is free: it keeps its own widths
+        part, _ = cut(items[i], narrow + more[i], None if room[i] is None else narrow + room[i])
+        if part is None:
+            return None, False
+        parts[i] = part
+    return ("seq", tuple(parts)), False
+
+
+def _smaller(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _width(node, widths: dict) -> tuple[int, int | None]:
+    """The fewest and the most characters ``node`` matches (None: no most), memoized by node identity."""
+    known = widths.get(id(node))
+    if known is not None:
+        return known
+    kind = node[0]
+    if kind == "chars":
+        width = (1, 1)
+    elif kind in ("seq", "alt"):
+        parts = [_width(child, widths) for child in node[1]] or [(0, 0)]
+        lows, highs = [p[0] for p in parts], [p[1] for p in parts]
+        most = None if None in highs else (sum(highs) if kind == "seq" else max(highs))
+        width = (sum(lows) if kind == "seq" else min(lows), most)
+    else:
+        narrow, wide = _width(node[1], widths)
+        most = 0 if wide == 0 else None if wide is None or node[3] is None else wide * node[3]
+        width = (narrow * node[2], most)
+    widths[id(node)] = width
+    return width
+
+
+def _regular(tree) -> bool:
+    """Whether ``tree`` holds only sets, sequences, alternations and repetitions (no assertion)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if node[0] in ("seq", "alt"):
+            stack.extend(node[1])
+        elif node[0] == "repeat":
+            stack.append(node[1])
+        elif node[0] != "chars":
+            return False
+    return True

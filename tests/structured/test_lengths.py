@@ -1,0 +1,131 @@
+"""Length bounds written into a pattern (``structured/schema/algebra/lengths.py``): the pattern :func:`cut` writes
+matches only the strings of the pattern within the bounds (every string, where it says exact), checked over
+every string of a small alphabet; and llguidance, which cannot prove a pattern beside a long ``minLength``
+non-empty, compiles such schemas with the bound in the pattern, exactly where the tree allows.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from neuron_constrain import structured as S
+from neuron_constrain.structured import engines as E
+from neuron_constrain.structured.schema import patterns as P
+from neuron_constrain.structured.schema.algebra import lengths, regular
+from neuron_constrain.testing import toy_tokenizer
+from neuron_constrain.testing.schemas import PATTERNS_DRAWN, differential, pattern_strings, readable
+from tests.conftest import examples
+from tests.structured.test_patterns import STRINGS, _python
+
+pytestmark = pytest.mark.torch_agnostic(lane="latest")  # host-side: the same on every torch
+
+ALPHABET = "abc"
+_SETS = [("chars", ((ord(c), ord(c)),)) for c in "ab"] + [("chars", ((ord("a"), ord("b")),))]
+
+
+def _trees(depth: int = 3):
+    leaf = st.sampled_from(_SETS)
+    if depth == 0:
+        return leaf
+    sub = _trees(depth - 1)
+    counts = st.tuples(st.integers(0, 2), st.one_of(st.none(), st.integers(0, 3))).filter(
+        lambda c: c[1] is None or c[0] <= c[1])
+    return st.one_of(
+        leaf,
+        st.lists(sub, min_size=2, max_size=3).map(lambda items: ("seq", tuple(items))),
+        st.lists(sub, min_size=2, max_size=3).map(lambda items: ("alt", tuple(items))),
+        st.tuples(sub, counts).map(lambda t: ("repeat", t[0], t[1][0], t[1][1])),
+    )
+
+
+def _matcher(tree):
+    return re.compile(regular.write(tree))
+
+
+@settings(max_examples=examples(80), suppress_health_check=list(HealthCheck), deadline=None)
+@given(_trees(), st.integers(0, 6), st.one_of(st.none(), st.integers(0, 7)))
+def test_a_cut_pattern_matches_only_the_strings_within_the_bounds(tree, low, high):
+    if high is not None and high < low:
+        return
+    cut, exact = lengths.cut(tree, low, high)
+    original = _matcher(tree)
+    written = _matcher(cut) if cut is not None else None
+    longest = (high if high is not None else low + 3) + 1
+    for size in range(longest + 1):
+        for text in map("".join, itertools.product(ALPHABET, repeat=size)):
+            wanted = original.fullmatch(text) is not None and low <= size and (high is None or size <= high)
+            got = written is not None and written.fullmatch(text) is not None
+            assert not got or wanted, (tree, low, high, text)  # never wider
+            assert not exact or got == wanted, (tree, low, high, text)  # exact: every such string
+
+
+@pytest.mark.parametrize("source, low, high, expected", [
+    ("^([a-z][0-9])+$", 1000, None, "^(?:(?:[a-z][0-9]){500,})$"),  # one width: the count, exactly
+    ("^(ab|cde)*$", 5000, None, "^(?:(?:ab|cde){2500,})$"),  # varying: its narrowest pieces reach the least
+])
+def test_a_repetition_takes_its_count(source, low, high, expected):
+    assert lengths.within(source, low, high) == (expected, source.startswith("^([a-z]"))
+
+
+def test_a_sequence_shares_the_room_among_the_parts_that_can_grow():
+    written, exact = lengths.within(r"^[a-z]+@[a-z]+\.[a-z]{2,}$", 300, 400)
+    assert not exact
+    pattern = re.compile(written)
+    assert pattern.fullmatch("a" * 295 + "@" + "b" + "." + "cc") and not pattern.fullmatch("a@b.cc")
+    assert all(300 <= len(text) <= 400 for text in ("a" * 329 + "@" + "b" * 34 + "." + "c" * 35,)) \
+        and pattern.fullmatch("a" * 329 + "@" + "b" * 34 + "." + "c" * 35)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tokenizer = toy_tokenizer()
+    return {name: E.make_engine(name, tokenizer) for name in ("llguidance", "auto")}
+
+
+LONG = {  # llguidance 1.9.1 alone: "Unable to determine if regex is empty" for each
+    "one width": ({"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 600},
+                  ["a0" * 300, "a0" * 299, "a0" * 299 + "a", "a0" * 400, "a0" * 300 + "!"], ()),
+    "intersected patterns": ({"type": "string", "allOf": [{"pattern": "^([a-z][0-9])+$"}, {"pattern": "(t|8){10}$"}],
+                              "minLength": 600}, ["a0" * 295 + "t8" * 5, "a0" * 294 + "t8" * 5, "a0" * 300], ("#",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LONG))
+def test_a_long_min_length_beside_a_pattern_compiles_on_llguidance(engines, name):
+    schema, instances, narrowed = LONG[name]
+    for engine in engines.values():
+        verdict = differential(engine, schema, instances, strict=False, samples=0)
+        assert verdict.refused is None and not verdict.unsound and not verdict.over_restricted, verdict
+        assert verdict.accepted_valid == sum(map(jsonschema.Draft202012Validator(schema).is_valid, instances)) > 0, \
+            verdict
+        compiled = engine.compile(S.json_schema(schema, strict=False))
+        assert compiled.narrowed == narrowed, compiled.narrowed
+
+
+@settings(max_examples=examples(60), suppress_health_check=list(HealthCheck), deadline=None)
+@given(PATTERNS_DRAWN, st.integers(0, 5), st.one_of(st.none(), st.integers(0, 8)), st.data())
+def test_a_drawn_pattern_cut_by_its_tree_is_never_wider(source, low, high, data):
+    """Drawn patterns (the soundness test's), cut by their tree alone (the route past the automaton's caps),
+    against the tree's own reading on strings that straddle the pattern's features."""
+    if high is not None and high < low or not readable(source):
+        return
+    try:
+        pattern = P.parse(source)
+    except S.ConstraintError:
+        return
+    tree = None if pattern.refused is not None else P.full_match(pattern, search=True)
+    if tree is None or not lengths._regular(tree):
+        return
+    cut, exact = lengths.cut(tree, low, high)
+    original = re.compile(_python(tree), re.DOTALL)
+    written = re.compile(_python(cut), re.DOTALL) if cut is not None else None
+    for text in data.draw(pattern_strings(source)) + data.draw(st.lists(STRINGS, min_size=4, max_size=4)):
+        wanted = original.fullmatch(text) is not None and low <= len(text) and (high is None or len(text) <= high)
+        got = written is not None and written.fullmatch(text) is not None
+        assert not got or wanted, (source, low, high, text)
+        assert not exact or got == wanted, (source, low, high, text)
