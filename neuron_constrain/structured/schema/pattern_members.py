@@ -26,7 +26,6 @@ import re
 
 from neuron_constrain.structured.schema import rewrite
 from neuron_constrain.structured.schema.algebra import pattern_names, regular
-from neuron_constrain.structured.schema.algebra.lengths import ANY_CHARACTER
 from neuron_constrain.structured.schema.algebra.caps import Over
 from neuron_constrain.structured.schema.algebra.logic import meet
 from neuron_constrain.structured.constraints import ConstraintError
@@ -75,7 +74,7 @@ def _regions(node: dict, table: dict) -> dict | None:
                 if regular.referee_match(source, name):
                     declared[name] = meet(declared[name], sub)
     # the declared names exactly, in both dialects (a final `$` would also find "d\n" in Python's, `\s` differs)
-    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?!{ANY_CHARACTER})" if declared else None
+    names = f"^(?:{'|'.join(_escaped(n) for n in declared)})(?!{regular.ANY_CHARACTER})" if declared else None
     unnamed = regular.complement_pattern(names) if names else None
     if names and unnamed is None:
         return None

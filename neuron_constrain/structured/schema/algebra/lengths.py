@@ -25,8 +25,6 @@ from neuron_constrain.structured.schema import patterns
 from neuron_constrain.structured.schema.algebra import regular
 from neuron_constrain.structured.schema.algebra.caps import Over
 
-# any character, written so that both dialects (and the library's parser) read it alike
-ANY_CHARACTER = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"
 _TRIES = 64  # counts a repetition of varying pieces tries under a most before it gives up
 
 
@@ -35,7 +33,7 @@ def within(source: str, low: int, high: int | None) -> tuple[str, bool] | None:
     most) as one anchored pattern, and whether it is exact (else narrower); None where no pattern is written
     here (a refused feature, no string left, a cap)."""
     try:
-        exact = regular.intersect_patterns((source, f"^{ANY_CHARACTER}{{{low},{'' if high is None else high}}}$"))
+        exact = regular.intersect_patterns((source, f"^{regular.ANY_CHARACTER}{{{low},{'' if high is None else high}}}$"))
     except (Over, ConstraintError):
         exact = None
     if isinstance(exact, str):

@@ -36,6 +36,9 @@ from neuron_constrain.structured.schema.algebra.automata import Dfa
 from neuron_constrain.structured.schema.algebra.caps import Over, over
 from neuron_constrain.structured.constraints import ConstraintError
 
+# any character, written so that both dialects (and the library's parser) read it alike
+ANY_CHARACTER = f"[\\x00-\\uD7FF\\uE000-{chr(0x10FFFF)}]"
+
 # a pattern written here -> what it stands for: ("not", source) or ("all", sources)
 _WRITTEN: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
 _WRITTEN_KEPT = 4096
