@@ -129,3 +129,19 @@ def test_a_drawn_pattern_cut_by_its_tree_is_never_wider(source, low, high, data)
         got = written is not None and written.fullmatch(text) is not None
         assert not got or wanted, (source, low, high, text)
         assert not exact or got == wanted, (source, low, high, text)
+
+
+def test_a_narrower_pattern_is_never_written_beside_a_negation():
+    """Under `oneOf` a narrower branch could widen the schema (a value only the other branch then takes)."""
+    branch = {"type": "string", "pattern": "^[a-z]+@[a-z]+$", "minLength": 300}
+    alone, narrowed = {"anyOf": [dict(branch), {"type": "integer"}]}, []
+    lengths.write_bounds(alone, narrowed)
+    assert narrowed == ["#/anyOf/0"] and "minLength" not in alone["anyOf"][0]
+    negated, narrowed = {"oneOf": [dict(branch), {"type": "integer"}]}, []
+    lengths.write_bounds(negated, narrowed)
+    assert narrowed == [] and negated["oneOf"][0] == branch
+    exact, narrowed = {"oneOf": [{"type": "string", "pattern": "^(ab)+$", "minLength": 300}, {"type": "integer"}]}, []
+    lengths.write_bounds(exact, narrowed)  # exact: written whatever the schema holds
+    written = exact["oneOf"][0]
+    assert narrowed == [] and set(written) == {"type", "pattern"}
+    assert re.fullmatch(written["pattern"], "ab" * 150) and not re.fullmatch(written["pattern"], "ab" * 149)

@@ -139,7 +139,9 @@ class LLGuidanceEngine(GrammarEngine):
         template, message = self._template(constraint, options)
         narrowed = tuple(view.narrowed)
         if _UNPROVEN in message and constraint.kind == "json_schema":
-            spec, written_narrower = _lengths_in_patterns(constraint.spec)
+            # each pattern beside length bounds written as one pattern of those lengths: no proof left to llguidance
+            spec, written_narrower = copy.deepcopy(constraint.spec), []
+            lengths.write_bounds(spec, written_narrower)
             constraint, narrowed = dataclasses.replace(constraint, spec=spec), narrowed + tuple(written_narrower)
             template, message = self._template(constraint, options)
         if not message and constraint.strict and constraint.kind == "json_schema" and _one_of(constraint.spec):
@@ -222,30 +224,6 @@ def _one_of(schema) -> bool:
 
 # llguidance proves a pattern beside length bounds non-empty within a fixed budget (10,000 derivative steps)
 _UNPROVEN = "Unable to determine if regex is empty"
-
-
-def _lengths_in_patterns(spec) -> tuple:
-    """A copy of ``spec`` with each ``pattern`` beside ``minLength``/``maxLength`` written as one pattern of those
-    lengths (``algebra.lengths``: no proof left to llguidance), and the JSON pointers of those written narrower
-    (never in a schema with `not`/`if`/`oneOf`, where a narrower subschema could widen what it accepts)."""
-    spec = copy.deepcopy(spec)
-    nodes = list(keywords.rewrite.walk(spec))
-    negating = any(keywords.rewrite.NEGATING & set(node) for _, node in nodes)
-    narrowed = []
-    for path, node in nodes:
-        low, high = node.get("minLength", 0), node.get("maxLength")
-        if not isinstance(node.get("pattern"), str) or "format" in node or not (low or high is not None) or not all(
-                type(bound) is int for bound in (low, 0 if high is None else high)):
-            continue
-        written = lengths.within(node["pattern"], low, high)
-        if written is None or negating and not written[1]:
-            continue
-        node["pattern"] = written[0]
-        node.pop("minLength", None)
-        node.pop("maxLength", None)
-        if not written[1]:
-            narrowed.append(path)
-    return spec, narrowed
 
 
 def _pattern_regex(source: str) -> str | None:

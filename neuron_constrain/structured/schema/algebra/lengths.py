@@ -2,6 +2,7 @@
 beside a ``pattern`` for an engine that cannot weigh them there.
 
     within(r"^([a-z][0-9])+$", 1000, None)   # ('^(?:(?:[a-z][0-9]){500,})$', True): the pattern, exact or not
+    write_bounds(schema, narrowed)           # each pattern beside bounds in a schema so written (in place)
     cut(tree, 3, 8)                          # (tree', exact): tree' matches only tree's strings of 3-8 characters
 
 llguidance 1.9 intersects a pattern with its length bounds itself and proves the intersection non-empty
@@ -21,11 +22,33 @@ pattern (``CompiledGrammar.narrowed``).
 from __future__ import annotations
 
 from neuron_constrain.structured.constraints import ConstraintError
-from neuron_constrain.structured.schema import patterns
+from neuron_constrain.structured.schema import patterns, rewrite
 from neuron_constrain.structured.schema.algebra import regular
 from neuron_constrain.structured.schema.algebra.caps import Over
 
 _TRIES = 64  # counts a repetition of varying pieces tries under a most before it gives up
+
+
+def write_bounds(schema: dict, narrowed: list | None = None) -> None:
+    """Each node of ``schema`` (edited in place) with a ``pattern`` beside ``minLength``/``maxLength`` (and no
+    ``format``) given one pattern of those lengths, the bounds dropped: where exact; also where narrower when
+    ``narrowed`` (a list) is given, which receives their JSON pointers, but never in a schema with
+    `not`/`if`/`oneOf` (where a narrower subschema could widen what it accepts)."""
+    nodes = list(rewrite.walk(schema))
+    negating = any(rewrite.NEGATING & set(node) for _, node in nodes)
+    for path, node in nodes:
+        low, high = node.get("minLength", 0), node.get("maxLength")
+        if not isinstance(node.get("pattern"), str) or "format" in node or (low, high) == (0, None) or not all(
+                type(bound) is int for bound in (low, 0 if high is None else high)):
+            continue
+        written = within(node["pattern"], low, high)
+        if written is None or not written[1] and (narrowed is None or negating):
+            continue
+        node["pattern"] = written[0]
+        node.pop("minLength", None)
+        node.pop("maxLength", None)
+        if not written[1]:
+            narrowed.append(path)
 
 
 def within(source: str, low: int, high: int | None) -> tuple[str, bool] | None:
