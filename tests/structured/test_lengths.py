@@ -1,7 +1,8 @@
-"""Length bounds written into a pattern (``structured/schema/algebra/lengths.py``): the pattern :func:`cut` writes
-matches only the strings of the pattern within the bounds (every string, where it says exact), checked over
-every string of a small alphabet; and llguidance, which cannot prove a pattern beside a long ``minLength``
-non-empty, compiles such schemas with the bound in the pattern, exactly where the tree allows.
+"""Length bounds and patterns (``structured/schema/algebra/lengths.py``, ``patterns.length_lookahead``): the pattern
+:func:`cut` writes matches only the strings of the pattern within the bounds (every string, where it says exact),
+checked over every string of a small alphabet; llguidance, which cannot prove a pattern beside a long
+``minLength`` non-empty, compiles such schemas with the bound in the pattern, exactly where the tree allows; and
+a length bound written as a lookahead (``^(?=.{1,253}$)...``) is read as ``minLength``/``maxLength``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.schema import patterns as P
 from neuron_constrain.structured.schema.algebra import lengths, regular
+from neuron_constrain.structured.schema.algebra.lookaround import language
 from neuron_constrain.testing import toy_tokenizer
 from neuron_constrain.testing.schemas import PATTERNS_DRAWN, differential, pattern_strings, readable
 from tests.conftest import examples
@@ -145,3 +147,55 @@ def test_a_narrower_pattern_is_never_written_beside_a_negation():
     written = exact["oneOf"][0]
     assert narrowed == [] and set(written) == {"type", "pattern"}
     assert re.fullmatch(written["pattern"], "ab" * 150) and not re.fullmatch(written["pattern"], "ab" * 149)
+
+
+@pytest.mark.parametrize("source, expected", [
+    (r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$",
+     (r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$", 1, 253)),
+    ("^(?=^.{2,4}$)[a-z]+$", ("^[a-z]+$", 2, 4)),
+    ("^(?=.{3,}$)[a-z]+$", ("^[a-z]+$", 3, None)),
+    ("^(?=.{1,5}$)a|b", None),  # the lookahead bounds the first alternative alone
+    ("^(?=.{1,5}$)a", None),  # an open end: the rest may hold a line terminator, which `.` refuses
+    ("^(?=.{1,5}$)[^x]+$", None),  # so may [^x]
+    ("^(?=.{5,2}$)a$", None),
+])
+def test_a_length_lookahead_is_read_as_length_bounds(source, expected):
+    assert lengths.length_lookahead(source) == expected
+
+
+@settings(max_examples=examples(60), suppress_health_check=list(HealthCheck), deadline=None)
+@given(PATTERNS_DRAWN, st.integers(0, 4), st.one_of(st.none(), st.integers(0, 6)), st.data())
+def test_a_length_lookahead_read_as_bounds_is_the_same_language(rest, low, high, data):
+    """``^(?=.{n,m}$)rest`` in the engines' reading (its automaton) against ``^rest`` with the bounds."""
+    source = f"^(?=.{{{low},{'' if high is None else high}}}$)(?:{rest})"
+    if not readable(source):
+        return
+    bounded = lengths.length_lookahead(source)
+    if bounded is None:
+        return
+    written, low, high = bounded
+    try:
+        whole = language(P.parse(source), search=True)
+    except S.ConstraintError:
+        return  # past a cap
+    whole = re.compile(_python(whole)) if whole is not None else None
+    plain = language(P.parse(written), search=True)
+    plain = re.compile(_python(plain)) if plain is not None else None
+    for text in data.draw(pattern_strings(rest)) + data.draw(st.lists(STRINGS, min_size=4, max_size=4)):
+        inside = plain is not None and plain.fullmatch(text) is not None and low <= len(text) and (
+            high is None or len(text) <= high)
+        assert inside == (whole is not None and whole.fullmatch(text) is not None), (source, text)
+
+
+HOSTNAME = {"type": "string", "pattern": r"^(?=.{1,253}$)([a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?\.)+[a-zA-Z]{2,63}$"}
+
+
+def test_a_hostname_pattern_bounded_by_a_lookahead_compiles_exactly(engines):
+    """Its automaton passed the algebra's state cap (513 states; refused before); as bounds it is exact."""
+    label = "a" * 62
+    longest = ".".join([label] * 4)[:250] + ".com"  # 254 characters: one too many
+    instances = ["example.com", "a.b.io", longest[1:], longest, "-bad.com", "example", "a..com", "x" * 64 + ".io"]
+    for engine in engines.values():
+        verdict = differential(engine, HOSTNAME, instances, strict=False, samples=0)
+        assert verdict.refused is None and not verdict.unsound and not verdict.over_restricted, verdict
+        assert verdict.accepted_valid == 3, verdict

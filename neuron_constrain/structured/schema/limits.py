@@ -31,7 +31,7 @@ import json
 import math
 
 from neuron_constrain.structured.schema import patterns, rewrite as rewrite
-from neuron_constrain.structured.schema.algebra import caps, lookaround
+from neuron_constrain.structured.schema.algebra import caps, lengths, lookaround
 from neuron_constrain.structured.schema.algebra.automata import fold
 from neuron_constrain.structured.constraints import Constraint, ConstraintError
 
@@ -263,6 +263,8 @@ def _digits(value) -> int:
 def _pattern(pattern: str, where: str, limits: Limits) -> None:
     if len(pattern) > limits.pattern_chars:
         raise LimitError("pattern_chars", len(pattern), limits.pattern_chars, where)
+    bounded = lengths.length_lookahead(pattern) if where.endswith("/pattern") else None
+    pattern = pattern if bounded is None else bounded[0]  # its length lookahead becomes minLength/maxLength
     bound = repetition(pattern)
     if bound > limits.repeat:
         raise LimitError("repeat", bound, limits.repeat, where, "a regex repetition bound (nested bounds multiplied)")

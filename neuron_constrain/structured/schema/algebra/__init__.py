@@ -7,7 +7,8 @@ which still refuses, by keyword and JSON pointer, whatever no rewrite here expre
 
     dialects.to_2020      draft-4/6/7/2019-09 spellings -> their 2020-12 meaning, by `$schema`
     dynamic.resolve       `$dynamicRef` -> `$ref` to copies per dynamic scope (the document fixes it)
-    normalize             rewrite.normalize: `$ref`s as pointers, `true` as {}
+    normalize             rewrite.normalize: `$ref`s as pointers, `true` as {}; a pattern bounding its
+                          length with a lookahead (`^(?=.{1,253}$)...`) as minLength/maxLength (lengths.py)
     hoist                 every `$ref` target at `#` or directly under the root's `$defs`, so that
                           the rewrites below may move subtrees without breaking a pointer
     finite.collapse       a node with finitely many values -> the `enum` of those jsonschema accepts
@@ -34,7 +35,8 @@ import copy
 import json
 
 from neuron_constrain.structured.schema import rewrite as rewrite
-from neuron_constrain.structured.schema.algebra import conditionals, dialects, dynamic, finite, logic, pattern_names, regular, unevaluated
+from neuron_constrain.structured.schema.algebra import (conditionals, dialects, dynamic, finite, lengths, logic, pattern_names,
+                                                        regular, unevaluated)
 from neuron_constrain.structured.schema.algebra.caps import CAPS, CapReached, Over
 
 __all__ = ["CAPS", "CapReached", "REWRITES", "lower"]
@@ -103,6 +105,7 @@ def lower(schema):
         schema = rewrite.normalize(dynamic.resolve(dialects.to_2020(schema)))
         if not isinstance(schema, dict):
             return schema
+        lengths.lookahead_bounds(schema)
         if any(_HANDLED & set(node) for _, node in rewrite.walk(schema)):
             schema = json.loads(json.dumps(schema))  # no subschema shared (normalize's aliases are): edited in place below
             hoist(schema)

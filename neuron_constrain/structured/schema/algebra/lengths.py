@@ -3,6 +3,7 @@ beside a ``pattern`` for an engine that cannot weigh them there.
 
     within(r"^([a-z][0-9])+$", 1000, None)   # ('^(?:(?:[a-z][0-9]){500,})$', True): the pattern, exact or not
     write_bounds(schema, narrowed)           # each pattern beside bounds in a schema so written (in place)
+    length_lookahead(r"^(?=.{1,253}$)[a-z.]+$")  # ('^[a-z.]+$', 1, 253): a length bound as a lookahead, read as one
     cut(tree, 3, 8)                          # (tree', exact): tree' matches only tree's strings of 3-8 characters
 
 llguidance 1.9 intersects a pattern with its length bounds itself and proves the intersection non-empty
@@ -18,15 +19,66 @@ never wider: a repetition of parts of varying width counts so that its narrowest
 and its widest stay under the most; a sequence gives the characters it lacks to its parts that can
 grow (one without a most first) and shares what the most allows among them. The caller lists a narrower
 pattern (``CompiledGrammar.narrowed``).
+
+The other way round, a pattern bounding its own length with a lookahead, ``^(?=.{1,253}$)...`` (how hostnames
+are often bounded), is read as ``minLength``/``maxLength`` beside the rest (:func:`lookahead_bounds`, in
+``algebra.lower``; ``limits`` builds the rest alone): the lookahead's automaton is the rest's times the count, past
+the algebra's state cap where the rest's is small, and the engines weigh the bounds themselves.
 """
 from __future__ import annotations
 
+import re
+
 from neuron_constrain.structured.constraints import ConstraintError
+from neuron_constrain.structured.schema.code_points import LINE_TERMINATORS, normalize, subtract
 from neuron_constrain.structured.schema import patterns, rewrite
 from neuron_constrain.structured.schema.algebra import regular
 from neuron_constrain.structured.schema.algebra.caps import Over
 
 _TRIES = 64  # counts a repetition of varying pieces tries under a most before it gives up
+
+
+# ``^(?=.{n,m}$)`` at the start: the common way to bound a pattern's length inside it (hostnames: 1-253)
+_LENGTH_LOOKAHEAD = re.compile(r"\^\(\?=\^?\.(?:\{(\d{1,6})(,(\d{0,6}))?\}|([*+]))\$\)")
+
+
+def length_lookahead(source) -> tuple[str, int, int | None] | None:
+    """``^(?=.{n,m}$)rest`` (a length bound written as a lookahead) as ``("^rest", n, m)`` (``m`` None: no most),
+    where ``^rest`` with ``minLength: n`` and ``maxLength: m`` is the same language in the engines' reading:
+    ``rest`` one alternative, anchored at its end, matching no line terminator (the lookahead's ``.`` takes
+    none); else None. Its automaton is ``rest``'s, where the lookahead's is that times the count
+    (``^(?=.{1,253}$)`` before a hostname: past the algebra's state cap)."""
+    found = _LENGTH_LOOKAHEAD.match(source) if isinstance(source, str) else None
+    if found is None:
+        return None
+    counted, more, most, star = found.groups()
+    low = (0 if star == "*" else 1) if star else int(counted)
+    high = None if star or more and not most else low if not more else int(most)
+    if high is not None and high < low:
+        return None
+    rest = "^" + source[found.end():]
+    try:
+        pattern = patterns.parse(rest)
+    except ConstraintError:
+        return None
+    if pattern.refused is not None or len(pattern.branches) != 1 or not pattern.branches[0][1]:
+        return None  # a refused feature, alternatives (the lookahead bounds the first alone), or an open end
+    tree = patterns.full_match(pattern, search=True)
+    return (rest, low, high) if tree is not None and _regular(tree, without=LINE_TERMINATORS) else None
+
+
+def lookahead_bounds(schema: dict) -> None:
+    """Each ``{pattern: "^(?=.{n,m}$)rest"}`` of ``schema`` (edited in place) as ``{pattern: "^rest", minLength: n,
+    maxLength: m}`` (met with the node's own bounds) where that is the same language (:func:`length_lookahead`)."""
+    for _, node in rewrite.walk(schema):
+        bounded = length_lookahead(node.get("pattern"))
+        if bounded is None or not all(type(node.get(key, 0)) is int for key in ("minLength", "maxLength")):
+            continue
+        node["pattern"], low, high = bounded
+        if low:
+            node["minLength"] = max(node.get("minLength", 0), low)
+        if high is not None:
+            node["maxLength"] = min(node.get("maxLength", high), high)
 
 
 def write_bounds(schema: dict, narrowed: list | None = None) -> None:
@@ -204,8 +256,9 @@ def _width(node, widths: dict) -> tuple[int, int | None]:
     return width
 
 
-def _regular(tree) -> bool:
-    """Whether ``tree`` holds only sets, sequences, alternations and repetitions (no assertion)."""
+def _regular(tree, without=()) -> bool:
+    """Whether ``tree`` holds only sets, sequences, alternations and repetitions (no assertion), and no set holds a
+    character of ``without`` (code-point ranges)."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -213,6 +266,6 @@ def _regular(tree) -> bool:
             stack.extend(node[1])
         elif node[0] == "repeat":
             stack.append(node[1])
-        elif node[0] != "chars":
+        elif node[0] != "chars" or without and subtract(node[1], without) != normalize(node[1]):
             return False
     return True
