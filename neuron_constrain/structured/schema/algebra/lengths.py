@@ -16,7 +16,8 @@ a pattern of so many characters), or where the pattern's tree makes it so (:func
 a part of one width counts (``(ab)+`` from 1000 characters: ``(ab){500,}``), a sequence whose parts but one
 have one width gives that one what the bound leaves, an alternation cuts each branch. Elsewhere narrower,
 never wider: a repetition of parts of varying width counts so that its narrowest pieces reach the least
-and its widest stay under the most; a sequence gives the characters it lacks to its parts that can
+and its widest stay under the most (where they have no most: about as many pieces as each may have
+characters); a sequence gives the characters it lacks to its parts that can
 grow (one without a most first) and shares what the most allows among them. The caller lists a narrower
 pattern (``CompiledGrammar.narrowed``).
 
@@ -27,15 +28,17 @@ the algebra's state cap where the rest's is small, and the engines weigh the bou
 """
 from __future__ import annotations
 
+import math
 import re
 
 from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.schema.code_points import LINE_TERMINATORS, normalize, subtract
 from neuron_constrain.structured.schema import patterns, rewrite
-from neuron_constrain.structured.schema.algebra import regular
+from neuron_constrain.structured.schema.algebra import lookaround, regular
 from neuron_constrain.structured.schema.algebra.caps import Over
 
 _TRIES = 64  # counts a repetition of varying pieces tries under a most before it gives up
+EMPTY = ("seq", ())
 
 
 # ``^(?=.{n,m}$)`` at the start: the common way to bound a pattern's length inside it (hostnames: 1-253)
@@ -45,8 +48,8 @@ _LENGTH_LOOKAHEAD = re.compile(r"\^\(\?=\^?\.(?:\{(\d{1,6})(,(\d{0,6}))?\}|([*+]
 def length_lookahead(source) -> tuple[str, int, int | None] | None:
     """``^(?=.{n,m}$)rest`` (a length bound written as a lookahead) as ``("^rest", n, m)`` (``m`` None: no most),
     where ``^rest`` with ``minLength: n`` and ``maxLength: m`` is the same language in the engines' reading:
-    ``rest`` one alternative, anchored at its end, matching no line terminator (the lookahead's ``.`` takes
-    none); else None. Its automaton is ``rest``'s, where the lookahead's is that times the count
+    ``rest`` one alternative whose language (its own lookarounds built) holds no line terminator (the
+    lookahead's ``.`` takes none; an open end takes any text); else None. Its automaton is ``rest``'s, where the lookahead's is that times the count
     (``^(?=.{1,253}$)`` before a hostname: past the algebra's state cap)."""
     found = _LENGTH_LOOKAHEAD.match(source) if isinstance(source, str) else None
     if found is None:
@@ -59,12 +62,13 @@ def length_lookahead(source) -> tuple[str, int, int | None] | None:
     rest = "^" + source[found.end():]
     try:
         pattern = patterns.parse(rest)
+        if pattern.refused is not None or len(pattern.branches) != 1 or pattern.tree[0] == "alt":
+            return None  # a refused feature, or alternatives (the lookahead bounds the first alone)
+        tree = lookaround.language(pattern, search=True)  # its own lookarounds built (an open end: any text)
     except ConstraintError:
-        return None
-    if pattern.refused is not None or len(pattern.branches) != 1 or not pattern.branches[0][1]:
-        return None  # a refused feature, alternatives (the lookahead bounds the first alone), or an open end
-    tree = patterns.full_match(pattern, search=True)
-    return (rest, low, high) if tree is not None and _regular(tree, without=LINE_TERMINATORS) else None
+        return None  # not read, or past a cap
+    return (rest, low, high) if tree is not None and tree[0] != "automaton" and _regular(
+        tree, without=LINE_TERMINATORS) else None
 
 
 def lookahead_bounds(schema: dict) -> None:
@@ -117,11 +121,11 @@ def within(source: str, low: int, high: int | None) -> tuple[str, bool] | None:
         return None  # no string of the pattern has such a length
     try:
         pattern = patterns.parse(source)
+        tree = None if pattern.refused is not None else lookaround.language(pattern, search=True)
     except ConstraintError:
-        return None
-    tree = None if pattern.refused is not None else patterns.full_match(pattern, search=True)
-    if tree is None or not _regular(tree):
-        return None  # a refused feature, or assertions: only the automaton (capped above) writes those
+        return None  # not read, or its lookarounds past a cap
+    if tree is None or tree[0] == "automaton":
+        return None  # a refused feature, or lookarounds whose tree is too large to write
     bounded, is_exact = cut(tree, low, high)
     if bounded is None:
         return None
@@ -178,12 +182,21 @@ def _cut_repeat(tree, low: int, high: int | None, widths: dict):
         count_high = _smaller(greatest, high // wide)
         if count_low <= count_high:
             return ("repeat", body, count_low, count_high), False
-    for count in range(max(least, 1), max(least, 1) + _TRIES):  # a count, and pieces cut to share the range
-        if greatest is not None and count > greatest or count * narrow > high:
-            break
-        piece, _ = cut(body, -(-low // count), high // count)
+    # a count from ``fewest`` to ``most`` of pieces cut to ``piece_low``..``high // most`` characters: about as
+    # many pieces as each may have characters, where the least allows
+    most_allowed = greatest if greatest is not None else high // narrow
+    if count_low <= most_allowed:
+        fewest, piece_low = count_low, narrow
+        most = min(most_allowed, max(count_low, 1, math.isqrt(high // narrow)))
+    else:  # too few pieces at their narrowest: each wider
+        fewest = most = most_allowed
+        piece_low = -(-low // most_allowed) if most_allowed else 0
+    if most == 0:
+        return (EMPTY if fewest == 0 else None), False
+    for count in range(most, max(fewest, 1) - 1, -1)[:_TRIES]:
+        piece, _ = cut(body, piece_low, high // count)
         if piece is not None:
-            return ("repeat", piece, count, count), False
+            return ("repeat", piece, fewest, count), False
     return None, False
 
 
