@@ -499,3 +499,23 @@ def test_parallel_tool_calls_false_allows_exactly_one_call(tekken, engines, form
             assert force(engine, compiled, prefix + tekken.encode(two)) == parallel, (format, parallel, name)
         if format == "hermes":  # the validator agrees with the grammar
             assert (S.validate_output(constraint, two) is None) == parallel
+
+
+SURROGATE = b"\xed\xa0\x80"  # U+D800's three bytes: no UTF-8 (a reader decodes three replacement characters)
+
+
+@pytest.mark.parametrize("constraint, before, after", [
+    (S.json_schema({"type": "string", "maxLength": 1}, strict=False), '"', '"'),  # found by bench_soundness
+    (S.json_schema({"type": "string", "maxLength": 100}, strict=False), '"', '"'),
+    (S.json_schema({"type": "string"}, strict=False), '"', '"'),
+    (S.json_schema({"type": "object", "properties": {"a": {}}}, strict=False), '{"a": "', '"}'),  # an untyped value
+    (S.any_json(), '["', '"]'),
+], ids=["maxLength 1", "maxLength 100", "string", "untyped", "any json"])
+def test_no_engine_writes_a_surrogate_inside_a_string(engines, constraint, before, after):
+    """xgrammar 0.2.8's string classes took an encoded surrogate as one character; ``é`` in its place is taken."""
+    for name, engine in engines.items():
+        tokenizer, compiled = engine.tokenizer, engine.compile(constraint)
+        pieces = tokenizer.info.decoded_vocab
+        for text, allowed in ((SURROGATE, False), ("é".encode(), True)):
+            tokens = [*tokenizer.encode(before), *(pieces.index(bytes([byte])) for byte in text), *tokenizer.encode(after)]
+            assert force(engine, compiled, tokens) is allowed, (name, text)

@@ -80,14 +80,19 @@ def _char_class(token: str) -> str:
     if negate:
         body = body[1:]
     items = [None if m.group(0) == "-" else _unescape(m.group(0), token)[0] for m in _CLASS_ITEM.finditer(body)]
-    parts, k = [], 0
+    ranges, k = [], 0
     while k < len(items):
         if k + 2 < len(items) and items[k] is not None and items[k + 1] is None and items[k + 2] is not None:
-            parts.append(_regex_char(items[k]) + "-" + _regex_char(items[k + 2]))
+            ranges.append((ord(items[k]), ord(items[k + 2])))
             k += 3
         else:
-            parts.append(_regex_char("-" if items[k] is None else items[k]))
+            ranges.append((ord("-" if items[k] is None else items[k]),) * 2)
             k += 1
+    parts = []
+    for low, high in ranges:  # surrogates are no text (llguidance's regex refuses them): left out
+        for a, b in ((low, min(high, 0xD7FF)), (max(low, 0xE000), high)):
+            if a <= b:
+                parts.append(_regex_char(chr(a)) + ("" if a == b else "-" + _regex_char(chr(b))))
     if not parts:
         raise ConstraintError(f"the EBNF character class {token} is empty")
     return "/[" + ("^" if negate else "") + "".join(parts) + "]/"

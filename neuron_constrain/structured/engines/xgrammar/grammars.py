@@ -35,7 +35,11 @@ from neuron_constrain.structured.schema.pattern_text import constraint_regex, co
 # class, which admits raw control characters (invalid JSON: "\x06" inside a string).
 # We compile with JSON's own string-character class instead.
 LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
-JSON_STRING_CLASS = r'[^\0-\x1f\"\\]'
+# xgrammar 0.2.8's class for an unbounded string: it takes a surrogate's three bytes (ED A0 80 ..) as one
+# character, which is not UTF-8 (a reader decodes three replacement characters: `maxLength: 1` broken).
+BASIC_STRING_CLASS = r'[^\0-\x1f\"\\\r\n]'
+BUILTIN_JSON_CLASS = r'[^\"\\\0-\x1f]'  # the same, in its builtin JSON grammar (constraint kind "json")
+JSON_STRING_CLASS = r'[^\0-\x1f\"\\\ud800-\udfff]'  # JSON's string characters, encoded surrogates left out
 # A bounded string up to this many characters is written with JSON's escapes as a chain of rules, one per count
 # (its escapes in xgrammar's class, or a counted repetition of character-or-escape, fill at 28-45 ms a token on
 # 131k tokens; the chain fills in microseconds and compiles as fast as xgrammar's own class up to 64: 1.5 s on
@@ -132,7 +136,8 @@ def compile_grammar(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xg
         if constraint.kind == "json_schema":
             return compiler.compile_grammar(schema_grammar(constraint))
         if constraint.kind == "json":
-            return compiler.compile_builtin_json_grammar()
+            return compiler.compile_grammar(xgr.Grammar.from_ebnf(json_string_classes(str(
+                xgr.Grammar.builtin_json_grammar()))))
         if constraint.kind == "regex":
             return compiler.compile_grammar(regex_grammar(constraint.spec))
         if constraint.kind in ("choice", "ebnf"):
@@ -228,11 +233,17 @@ def schema_grammar(constraint: Constraint) -> xgr.Grammar:
     fixed = markers.substitute(text, refuse=constraint.unenforced != "allow")
     if constraint.escapes:
         fixed = escaped_strings(fixed)
-    if LENGTH_STRING_CLASS in fixed:
-        fixed = fixed.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+    fixed = json_string_classes(fixed)
     if constraint.whitespace == "none":  # xgrammar 0.2.8 separates untyped values' items with ", " even here
         fixed = fixed.replace('(", " basic_any)', '("," basic_any)').replace('(", " basic_string ', '("," basic_string ')
     return grammar if fixed == str(grammar) else xgr.Grammar.from_ebnf(fixed)
+
+
+def json_string_classes(text: str) -> str:
+    """``text`` (xgrammar's EBNF) with the string-character classes xgrammar writes replaced by JSON's own."""
+    for written in (LENGTH_STRING_CLASS, BASIC_STRING_CLASS, BUILTIN_JSON_CLASS):
+        text = text.replace(written, JSON_STRING_CLASS)
+    return text
 
 
 def writes_escapes(low: int, high: int | None) -> bool:
@@ -374,7 +385,7 @@ def structural_tag_text(tag) -> str:
     markers = _Markers()
     marked = markers.tag(json.loads(tag) if isinstance(tag, str) else tag)
     text = str(reported(xgr.Grammar.from_structural_tag, json.dumps(marked)))
-    return markers.substitute(text).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+    return json_string_classes(markers.substitute(text))
 
 
 def structural_tag_ebnf(data, spec) -> str:
@@ -386,7 +397,7 @@ def structural_tag_ebnf(data, spec) -> str:
             items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(markers.schema(s["schema"])),
                                            end=s["end"]) for s in data["structures"]]
             text = str(reported(xgr.Grammar.from_structural_tag, items, data["triggers"]))
-            text = markers.substitute(text).replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+            text = json_string_classes(markers.substitute(text))
         else:
             text = structural_tag_text(data if isinstance(data, dict) else spec)
     except ConstraintError:
