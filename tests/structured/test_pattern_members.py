@@ -11,7 +11,6 @@ import pytest
 from neuron_constrain import structured as S
 from neuron_constrain.structured import engines as E
 from neuron_constrain.structured.schema import pattern_members, prepare
-from neuron_constrain.structured.schema.rewrite import walk
 from neuron_constrain.testing import toy_tokenizer
 from neuron_constrain.testing.schemas import differential, walks
 
@@ -83,7 +82,7 @@ def test_beside_a_negation_only_patterns_both_dialects_read_alike_are_written_ou
     for source, written in (("^\\d", False), ("^[0-9]", True)):  # (a final `$` reads differently too)
         schema = {"type": "object", "patternProperties": {source: {"type": "integer"}},
                   "not": {"type": "object", "patternProperties": {"^x": {"type": "string"}}}}
-        pattern_members.explicit_regions(schema, walk)
+        pattern_members.explicit_regions(schema)
         assert (schema.get("additionalProperties") is False) == written, (source, schema)
         assert schema["not"].get("additionalProperties") is False  # `^x` reads alike: written out under the `not`
 

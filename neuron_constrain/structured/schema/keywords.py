@@ -238,9 +238,9 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
     if "split_types" in lists.rewrites:  # exact: one branch per instance type, nothing narrowed
         values.split_types(prepared, rewrite.walk)
     if "pattern_members" in lists.rewrites:  # each name's region explicit, the object closed
-        pattern_members.explicit_regions(prepared, rewrite.walk)
+        pattern_members.explicit_regions(prepared)
     elif "pattern_dialects" in lists.rewrites:  # so where a pattern reads differently in the referee's dialect
-        pattern_members.explicit_regions(prepared, rewrite.walk, where_dialects_differ=True)
+        pattern_members.explicit_regions(prepared, where_dialects_differ=True)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
         rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))

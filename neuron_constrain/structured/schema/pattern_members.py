@@ -31,14 +31,14 @@ from neuron_constrain.structured.schema.algebra.logic import meet
 from neuron_constrain.structured.constraints import ConstraintError
 
 
-def explicit_regions(schema: dict, walk, *, where_dialects_differ: bool = False) -> None:
+def explicit_regions(schema: dict, *, where_dialects_differ: bool = False) -> None:
     """Every object node of ``schema`` with ``patternProperties`` rewritten in place (the module docstring).
     In a schema holding `not`/`if`/`oneOf` (a ``$ref`` may bring a node under one), only nodes whose patterns
     read alike in both dialects (exact, not narrower). ``where_dialects_differ`` (llguidance, which reads each
     pattern as the engines do and gives every other name ``additionalProperties``): only open objects with a
     pattern the dialects read differently (``^[a-z]+$`` finds ``"ab\n"`` in Python's, the referee's: an
-    additional key there, but the pattern's schema for the referee). ``walk``: ``rewrite.walk``."""
-    nodes = list(walk(schema))
+    additional key there, but the pattern's schema for the referee)."""
+    nodes = list(rewrite.walk(schema))
     negating = any(rewrite.NEGATING & set(node) for _, node in nodes)
     for _, node in nodes:
         table = node.get("patternProperties")

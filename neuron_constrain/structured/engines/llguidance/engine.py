@@ -137,7 +137,7 @@ class LLGuidanceEngine(GrammarEngine):
         constraint = dataclasses.replace(view.constraint, unenforced=policy or original.unenforced)
         options: dict = {}
         template, message = self._template(constraint, options)
-        narrowed = tuple(view.narrowed)
+        narrowed = view.narrowed
         if _UNPROVEN in message and constraint.kind == "json_schema":
             # each pattern beside length bounds written as one pattern of those lengths: no proof left to llguidance
             spec, written_narrower = copy.deepcopy(constraint.spec), []

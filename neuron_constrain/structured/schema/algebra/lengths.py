@@ -35,6 +35,7 @@ from neuron_constrain.structured.constraints import ConstraintError
 from neuron_constrain.structured.schema.code_points import LINE_TERMINATORS, normalize, subtract
 from neuron_constrain.structured.schema import patterns, rewrite
 from neuron_constrain.structured.schema.algebra import lookaround, regular
+from neuron_constrain.structured.schema.algebra.automata import fold
 from neuron_constrain.structured.schema.algebra.caps import Over
 
 _TRIES = 64  # counts a repetition of varying pieces tries under a most before it gives up
@@ -49,8 +50,8 @@ def length_lookahead(source) -> tuple[str, int, int | None] | None:
     """``^(?=.{n,m}$)rest`` (a length bound written as a lookahead) as ``("^rest", n, m)`` (``m`` None: no most),
     where ``^rest`` with ``minLength: n`` and ``maxLength: m`` is the same language in the engines' reading:
     ``rest`` one alternative whose language (its own lookarounds built) holds no line terminator (the
-    lookahead's ``.`` takes none; an open end takes any text); else None. Its automaton is ``rest``'s, where the lookahead's is that times the count
-    (``^(?=.{1,253}$)`` before a hostname: past the algebra's state cap)."""
+    lookahead's ``.`` takes none; an open end takes any text); else None. Its automaton is ``rest``'s, where the
+    lookahead's is that times the count (``^(?=.{1,253}$)`` before a hostname: past the algebra's state cap)."""
     found = _LENGTH_LOOKAHEAD.match(source) if isinstance(source, str) else None
     if found is None:
         return None
@@ -67,8 +68,8 @@ def length_lookahead(source) -> tuple[str, int, int | None] | None:
         tree = lookaround.language(pattern, search=True)  # its own lookarounds built (an open end: any text)
     except ConstraintError:
         return None  # not read, or past a cap
-    return (rest, low, high) if tree is not None and tree[0] != "automaton" and _regular(
-        tree, without=LINE_TERMINATORS) else None
+    return (rest, low, high) if tree is not None and tree[0] != "automaton" and _avoids(tree, LINE_TERMINATORS) \
+        else None
 
 
 def lookahead_bounds(schema: dict) -> None:
@@ -138,8 +139,7 @@ def within(source: str, low: int, high: int | None) -> tuple[str, bool] | None:
 def cut(tree, low: int, high: int | None) -> tuple[tuple | None, bool]:
     """A tree matching only strings ``tree`` matches of ``low`` to ``high`` characters (None: no string), and
     whether it matches all of them. ``tree``: sets, sequences, alternations, repetitions."""
-    widths: dict = {}
-    fewest, most = _width(tree, widths)
+    fewest, most = _width(tree)
     if low <= fewest and (high is None or most is not None and most <= high):
         return tree, True
     if most is not None and most < low or high is not None and fewest > high:
@@ -154,13 +154,13 @@ def cut(tree, low: int, high: int | None) -> tuple[tuple | None, bool]:
                 kept.append(part)
         return (None if not kept else kept[0] if len(kept) == 1 else ("alt", tuple(kept))), exact
     if kind == "repeat":
-        return _cut_repeat(tree, low, high, widths)
-    return _cut_seq(tree, low, high, widths)  # a set is one character: always decided above
+        return _cut_repeat(tree, low, high)
+    return _cut_seq(tree, low, high)  # a set is one character: always decided above
 
 
-def _cut_repeat(tree, low: int, high: int | None, widths: dict):
+def _cut_repeat(tree, low: int, high: int | None):
     body, least, greatest = tree[1], tree[2], tree[3]
-    narrow, wide = _width(body, widths)
+    narrow, wide = _width(body)
     if narrow == wide:  # pieces of one width (never 0: the repetition's width would be 0, decided above)
         count_low = max(least, -(-low // narrow))
         count_high = _smaller(greatest, None if high is None else high // narrow)
@@ -200,9 +200,9 @@ def _cut_repeat(tree, low: int, high: int | None, widths: dict):
     return None, False
 
 
-def _cut_seq(tree, low: int, high: int | None, widths: dict):
+def _cut_seq(tree, low: int, high: int | None):
     items = tree[1]
-    spans = [_width(item, widths) for item in items]
+    spans = [_width(item) for item in items]
     fewest = sum(narrow for narrow, _ in spans)
     varying = [i for i, (narrow, wide) in enumerate(spans) if narrow != wide]
     if len(varying) == 1:  # the others have one width: this one takes the rest of the range, exactly
@@ -248,37 +248,24 @@ def _smaller(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _width(node, widths: dict) -> tuple[int, int | None]:
-    """The fewest and the most characters ``node`` matches (None: no most), memoized by node identity."""
-    known = widths.get(id(node))
-    if known is not None:
-        return known
+def _width(node) -> tuple[int, int | None]:
+    """The fewest and the most characters ``node`` matches (None: no most), each shared subtree once."""
+    return fold(node, _combined_width)
+
+
+def _combined_width(node, parts: list) -> tuple[int, int | None]:
     kind = node[0]
     if kind == "chars":
-        width = (1, 1)
-    elif kind in ("seq", "alt"):
-        parts = [_width(child, widths) for child in node[1]] or [(0, 0)]
-        lows, highs = [p[0] for p in parts], [p[1] for p in parts]
+        return 1, 1
+    if kind in ("seq", "alt"):
+        lows, highs = [p[0] for p in parts or [(0, 0)]], [p[1] for p in parts or [(0, 0)]]
         most = None if None in highs else (sum(highs) if kind == "seq" else max(highs))
-        width = (sum(lows) if kind == "seq" else min(lows), most)
-    else:
-        narrow, wide = _width(node[1], widths)
-        most = 0 if wide == 0 else None if wide is None or node[3] is None else wide * node[3]
-        width = (narrow * node[2], most)
-    widths[id(node)] = width
-    return width
+        return (sum(lows) if kind == "seq" else min(lows)), most
+    (narrow, wide), = parts
+    return narrow * node[2], 0 if wide == 0 else None if wide is None or node[3] is None else wide * node[3]
 
 
-def _regular(tree, without=()) -> bool:
-    """Whether ``tree`` holds only sets, sequences, alternations and repetitions (no assertion), and no set holds a
-    character of ``without`` (code-point ranges)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if node[0] in ("seq", "alt"):
-            stack.extend(node[1])
-        elif node[0] == "repeat":
-            stack.append(node[1])
-        elif node[0] != "chars" or without and subtract(node[1], without) != normalize(node[1]):
-            return False
-    return True
+def _avoids(tree, ranges) -> bool:
+    """Whether no set of ``tree`` (sets, sequences, alternations, repetitions) holds a character of ``ranges``."""
+    return fold(tree, lambda node, inside: all(inside) and (
+        node[0] != "chars" or subtract(node[1], ranges) == normalize(node[1])))
