@@ -227,6 +227,13 @@ def test_the_shortest_answer_bounds_what_no_answer_could_fit():
     assert satisfiable.shortest(fan_out) > 10 ** 12
     with pytest.raises(L.LimitError, match="answer_chars"):
         satisfiable.check(fan_out, answer_chars=L.DEFAULT.answer_chars)
+    # one repetition at the `repeat` limit is not refused by a second limit (MaskBench's hand-written
+    # minLength 10000 asks for 10,002 characters)
+    at_repeat = {"type": "object", "required": ["s"],
+                 "properties": {"s": {"type": "string", "minLength": L.DEFAULT.repeat}}}
+    L.check(S.json_schema(at_repeat, strict=False))
+    satisfiable.check(at_repeat, answer_chars=L.DEFAULT.answer_chars)
+    assert satisfiable.shortest(at_repeat) == L.DEFAULT.repeat + len('{"s":""}')
     assert satisfiable.shortest({"type": "array", "minItems": 3, "items": {"type": "string", "minLength": 2}}) == 2 + 3 * 4 + 2
 
 

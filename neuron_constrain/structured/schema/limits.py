@@ -94,7 +94,7 @@ class Limits:
     varying_repeat: int = 16
     number_digits: int = 24
     ref_chain: int = 32
-    answer_chars: int = 8_192
+    answer_chars: int = 131_072
     compile_seconds: float = 60.0
     compile_memory_mb: int = 2_048
     fill_ms: float = 50.0
