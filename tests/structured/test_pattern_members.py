@@ -123,3 +123,20 @@ def test_a_pattern_the_referee_cannot_read_is_left_to_the_policy():
     schema = {"type": "object", "properties": {"ab": {}}, "patternProperties": {"(?<n>a)": {"type": "integer"}}}
     with pytest.raises(S.ConstraintError, match="patternProperties"):
         E.make_engine("xgrammar", toy_tokenizer()).compile(S.json_schema(schema, strict=False))
+
+
+def test_an_open_object_whose_pattern_ends_in_dollar_compiles_on_llguidance():
+    """`^[0-9a-zA-Z_-]{1,255}$` on an open object (a real schema's, MaskBench's `Github_easy o9961`): its names'
+    complement, written out for llguidance so that "ab\\n" (which only the referee's `$` finds) took the pattern's
+    schema, exhausted llguidance's disjointness budget, and `auto` waited 12 s for xgrammar. Each pattern is now
+    written as every name either dialect finds, no complement: llguidance compiles it, exactly but for such names
+    (the pattern's schema where either dialect asks it)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}},
+              "patternProperties": {"^[0-9a-zA-Z_-]{1,255}$": {"type": "array", "items": {"type": "string"}}}}
+    instances = [{"ab": ["x"]}, {"ab": 1}, {"ab\n": 1}, {"ab\n": ["x"]}, {"a b": 1}, {"n": 1}, {"n": "x"}]
+    for name in ("llguidance", "auto"):
+        engine = E.make_engine(name, toy_tokenizer())
+        assert engine.compile(S.json_schema(schema, strict=False)).engine == "llguidance"
+        verdict = differential(engine, schema, instances, strict=False)
+        assert verdict.refused is None and not verdict.unsound and not verdict.over_restricted, (name, verdict)
+        assert verdict.accepted_valid == 3, (name, verdict)

@@ -50,7 +50,8 @@ def explicit_regions(schema: dict, *, where_dialects_differ: bool = False) -> No
         if where_dialects_differ and (alike or node.get("additionalProperties") is False):
             continue  # llguidance: each name the same in both dialects, or closed (such a name refused either way)
         try:
-            written = _regions(node, table)
+            written = (where_dialects_differ and node.get("additionalProperties", True) in (True, {})
+                       and _read_wide(table)) or _regions(node, table)
         except (Over, ConstraintError, re.error):  # a cap; a pattern one reader refuses (the policy names it)
             continue
         if written is not None:
@@ -94,6 +95,22 @@ def _regions(node: dict, table: dict) -> dict | None:
     kept = {name: sub for name, sub in declared.items() if sub is not False or name in required}  # (as regions)
     return {"properties": kept, "patternProperties": regions, "additionalProperties": False} if kept else \
         {"patternProperties": regions, "additionalProperties": False}
+
+
+def _read_wide(table: dict) -> dict | None:
+    """Each pattern of an object whose additional names take any value, written as every name either dialect finds
+    (``regular.intersect_patterns``, wide; the text both read alike): such a name takes the pattern's schema, as the
+    referee asks where it finds it, and any value is the additional schema's where it does not (narrower there,
+    never wider), where no two overlap. No complement is written: llguidance proves the patterns disjoint itself, within a budget the
+    complement of a bounded repetition exhausts. None where a pattern has a feature no automaton reads."""
+    wide = {}
+    for source, sub in table.items():
+        region = regular.intersect_patterns((source,), wide=True)
+        if region is None:
+            return None
+        if region is not False:  # a pattern finding no name applies to none
+            wide[region] = sub
+    return None if pattern_names.overlap(tuple(wide)) else {"patternProperties": wide}
 
 
 def _escaped(name: str) -> str:

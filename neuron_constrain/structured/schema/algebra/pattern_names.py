@@ -28,7 +28,7 @@ from neuron_constrain.structured.constraints import ConstraintError
 
 def disjoint_patterns(node: dict, path: str, judge):
     table = node.get("patternProperties")
-    if not isinstance(table, dict) or len(table) < 2 or not _overlap(tuple(table)):
+    if not isinstance(table, dict) or len(table) < 2 or not overlap(tuple(table)):
         return node
     sources = list(table)
     if "additionalProperties" in node and not all(reads_alike(s) for s in sources):
@@ -51,7 +51,8 @@ def disjoint_patterns(node: dict, path: str, judge):
     return node
 
 
-def _overlap(sources: tuple) -> bool:
+def overlap(sources: tuple) -> bool:
+    """Whether two of ``sources`` find a name in common (either dialect); False where one has a refused feature."""
     for pair in itertools.combinations(sources, 2):
         both = regular.intersect_patterns(pair, wide=True)
         if both is None:
