@@ -241,6 +241,8 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
         pattern_members.explicit_regions(prepared)
     elif "pattern_dialects" in lists.rewrites:  # so where a pattern reads differently in the referee's dialect
         pattern_members.explicit_regions(prepared, where_dialects_differ=True)
+    if "min_properties" in lists.rewrites:  # exact: which optional name makes up the count
+        rewrite.min_properties_as_required(prepared)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
         rewrite.narrow(prepared, lambda node, value: referee.evolve(schema=node).is_valid(value))

@@ -299,3 +299,28 @@ def narrow(schema, validate_value) -> None:
                 del node[k]
             node["enum"] = kept
             node.pop("const", None)
+
+
+ONE_MORE_NAME_CAP = 64  # optional names a closed object's `minProperties` may be written out over
+
+
+def min_properties_as_required(schema) -> None:
+    """``minProperties`` on a closed object (``additionalProperties: false``, no ``patternProperties``), for an
+    engine that counts properties only where every declared one is required (llguidance): dropped where the
+    required names reach it, and where it asks one name more, written as which optional name that is
+    (``{"minProperties": 1, "properties": {a, b}}`` -> ``allOf: [{anyOf: [{required: [a]}, {required: [b]}]}]``,
+    at most :data:`ONE_MORE_NAME_CAP` of them). The same values are valid, objects or not (``required`` asserts
+    nothing of other types); a name whose schema is ``false`` is never written, so it offers no branch."""
+    for _, node in walk(schema):
+        count, properties, required = node.get("minProperties"), node.get("properties"), node.get("required", [])
+        if (not isinstance(count, int) or isinstance(count, bool) or not isinstance(properties, dict)
+                or not isinstance(required, list) or node.get("additionalProperties") is not False
+                or "patternProperties" in node):
+            continue
+        have = len(set(required) & set(properties))
+        optional = [name for name, sub in properties.items() if name not in required and sub is not False]
+        if count <= have:
+            del node["minProperties"]
+        elif count == have + 1 and 0 < len(optional) <= ONE_MORE_NAME_CAP:
+            del node["minProperties"]
+            node.setdefault("allOf", []).append({"anyOf": [{"required": [name]} for name in optional]})

@@ -62,7 +62,8 @@ ENFORCES = keywords.register(keywords.Allowlist(
         keywords.Enforced("items", "a schema", keywords.schema_items),
         *(keywords.Enforced(k) for k in ("prefixItems", "minItems", "maxItems", "properties",
                                          "additionalProperties", "required", "patternProperties")),
-        keywords.Enforced("minProperties", "every name in `properties` required; above 1 only with "
+        keywords.Enforced("minProperties", "every name in `properties` required (on a closed object, at most one "
+                          "above the required names is written as which optional name); above 1 only with "
                           "`additionalProperties: false` and no `patternProperties`",
                           keywords.both(keywords.count("minProperties"), _all_required, keywords.distinct_keys)),
         keywords.Enforced("maxProperties", "every name in `properties` required",
@@ -70,8 +71,9 @@ ENFORCES = keywords.register(keywords.Allowlist(
     ),
     _FORMATS,
     # enum/const arrays and objects as schemas: any whitespace (schema/values.py); an open object's patterns the
-    # two dialects read differently (`$` before a last newline in Python's) written out (schema/pattern_members.py)
-    rewrites=("values", "pattern_dialects"),
+    # two dialects read differently (`$` before a last newline in Python's) written out (schema/pattern_members.py);
+    # a closed object's `minProperties` one above its required names as which optional name (schema/rewrite.py)
+    rewrites=("values", "pattern_dialects", "min_properties"),
     evidence="llguidance's json_schema.md; tests/structured/test_soundness.py (the differential test), llguidance 1.9.1",
     pattern_form="`^(?:...)$` in the plain syntax (`pattern_text.to_regex`), over the string's characters",
 ))
