@@ -115,23 +115,27 @@ class Admission:
         if so is None or so.all_constraints_none():
             return
         loop = asyncio.get_running_loop()
-        checked = await asyncio.wrap_future(self.lanes.submit(0, self._cheap, so), loop=loop)
+        checked = await asyncio.wrap_future(self.lanes.submit(0, self._cheap, so, params.max_tokens), loop=loop)
         if checked is not None:
             kind, constraint, size = checked
             await asyncio.wrap_future(self.lanes.submit(size, self._compiled, kind, constraint), loop=loop)
 
-    def _cheap(self, so):
+    def _cheap(self, so, max_tokens: int | None):
         """The checks that cost a pass over the constraint; None when its verdict is known (admitted),
-        else what the compilation needs."""
+        else what the compilation needs. A schema whose shortest answer needs more tokens than the request's
+        ``max_tokens`` is refused (the answer could only be cut short): a 400 naming ``max_tokens``."""
         kind = "json"
         try:
             kind, spec = policy.request_constraint(so, self.limits)
             constraint = _constraint(kind, spec, self.limits, self.whitespace)
-            if policy.cached_verdict(constraint, self.limits) is not None:
-                return None
+            cached = policy.cached_verdict(constraint, self.limits)
+            fewest = policy.fewest_tokens(constraint) if max_tokens is not None else None
         except ConstraintError as error:
             raise refusal(kind, error) from None
-        return kind, constraint, len(spec)
+        if fewest is not None and fewest[1] > max_tokens:
+            raise VLLMValidationError(policy.too_few_tokens_message(*fewest, max_tokens), parameter="max_tokens",
+                                      value=max_tokens)
+        return None if cached is not None else (kind, constraint, len(spec))
 
     def _compiled(self, kind: str, constraint) -> None:
         try:

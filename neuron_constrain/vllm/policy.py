@@ -260,6 +260,34 @@ def refusal_message(error: ConstraintError) -> str:
     return f"neuron_constrain: this structured-output constraint cannot be compiled: {detail}"
 
 
+def fewest_tokens(constraint: Constraint) -> tuple[int, int] | None:
+    """``(characters, tokens)``: the shortest answer a JSON schema admits (``satisfiable.shortest``, compact) and
+    the fewest tokens of the served vocabulary that could write it (no token writes more characters than its
+    longest piece has bytes); None for other kinds, or before the served vocabulary is known (:func:`serve_on`:
+    a byte vocabulary would count one character a token)."""
+    from neuron_constrain.structured.schema import satisfiable
+
+    engine = _SERVED.get("engine")
+    if engine is None or constraint.kind != "json_schema":
+        return None
+    least = satisfiable.shortest(constraint.spec)
+    if least == float("inf"):
+        return None  # no value: the verdict refuses it, by name
+    longest = _longest_piece(engine.tokenizer)
+    return int(least), -(-int(least) // longest)
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_piece(tokenizer) -> int:
+    return max(1, max(len(piece) for piece in tokenizer.pieces))
+
+
+def too_few_tokens_message(characters: int, tokens: int, max_tokens: int) -> str:
+    return (f"neuron_constrain: max_tokens={max_tokens} cannot hold any answer this constraint admits: the shortest "
+            f"is {characters:,} characters, at least {tokens:,} tokens of the served model's vocabulary; raise "
+            f"max_tokens, or relax the schema (a smaller minLength, minItems, ...)")
+
+
 def over_budget_message(seconds: float, budget: float) -> str:
     """Why a request whose grammar's work (its mask fill, and its accept) took ``seconds`` for one token (over
     ``budget``) was stopped."""

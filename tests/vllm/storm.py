@@ -119,7 +119,7 @@ def judge(kind: str, spec: str, outcome: Outcome) -> str | None:
     from neuron_constrain.vllm import policy
 
     if 400 <= outcome.status < 500:
-        words = ("limit", "admits no value", "cannot be compiled", "not enforced", "nested too deeply",
+        words = ("limit", "admits no value", "cannot be compiled", "not enforced", "nested too deeply", "max_tokens",
                  "Failed to", "Invalid", "not supported", "neither engine")
         return None if any(w in outcome.message for w in words) else f"a {outcome.status} that names nothing: " \
                                                                      f"{outcome.message[:300]}"

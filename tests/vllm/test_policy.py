@@ -68,6 +68,27 @@ def test_malformed_constraints_refused():
             policy.admit(policy.from_vllm(kind, spec))
 
 
+def test_fewest_tokens_bounds_the_shortest_answer_by_the_served_vocabularys_longest_piece(monkeypatch):
+    """A schema's shortest answer over the longest piece of the served vocabulary: no answer needs fewer tokens.
+    Nothing before the served vocabulary is known (a byte vocabulary would count a character a token)."""
+    from neuron_constrain.structured.engines import make_engine
+    from neuron_constrain.testing import toy_tokenizer
+
+    schema = policy.from_vllm("json", json.dumps({"type": "array", "items": {"type": "string", "minLength": 30},
+                                                   "minItems": 10}))
+    monkeypatch.delitem(policy._SERVED, "engine", raising=False)
+    assert policy.fewest_tokens(schema) is None
+    engine = make_engine("auto", toy_tokenizer())
+    monkeypatch.setitem(policy._SERVED, "engine", engine)
+    longest = max(len(piece) for piece in engine.tokenizer.pieces)
+    characters = 2 + 10 * 32 + 9  # [ "...", ... ]
+    assert policy.fewest_tokens(schema) == (characters, -(-characters // longest))
+    answer = json.dumps(["x" * 30] * 10, separators=(",", ":"))
+    assert len(answer) == characters and len(engine.tokenizer.encode(answer)) >= characters / longest
+    assert policy.fewest_tokens(policy.from_vllm("regex", "a{500}")) is None  # JSON schemas only
+    assert "max_tokens=16 cannot hold" in policy.too_few_tokens_message(characters, 40, 16)
+
+
 def test_violation_names_the_control_character():
     constraint = policy.from_vllm("json", json.dumps(CITY))
     assert policy.violation(constraint, '{"city":"Paris","population":3}') is None
