@@ -38,11 +38,14 @@ def pytest_collection_modifyitems(config, items):
     """A host-side test (``torch_agnostic``: its outcome does not depend on torch) runs on one lane only:
     the main lane, or the lane its marker names (``pytest.mark.torch_agnostic(lane="latest")``, to even
     out the lanes' times); so does a test that compiles for minutes (``one_lane``). The other lane lists
-    it as deselected. Unmarked tests run on every lane."""
+    it as deselected. Unmarked tests run on every lane. A ``long`` test (a real model compiled, minutes on
+    one core, what the tiny models cover already) runs in the long run alone (``make test-long``)."""
+    long_run = (config.getoption("hypothesis_profile", None) or os.environ.get("HYPOTHESIS_PROFILE")) == "long"
     keep, elsewhere = [], []
     for item in items:
         mark = item.get_closest_marker("torch_agnostic") or item.get_closest_marker("one_lane")
-        (elsewhere if mark is not None and mark.kwargs.get("lane", "main") != LANE else keep).append(item)
+        other_lane = mark is not None and mark.kwargs.get("lane", "main") != LANE
+        (elsewhere if other_lane or (item.get_closest_marker("long") and not long_run) else keep).append(item)
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
         items[:] = keep

@@ -138,7 +138,8 @@ def _hf_xgrammar(loaded, ids: list[int], constraint, max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.one_lane  # compiles SmolLM2's two packages (minutes); the tiny decoders cover the rest (test_compiled.py)
+@pytest.mark.long  # compiles SmolLM2's two packages (3.5 min on one core): `make test-long`; the tiny decoders cover
+@pytest.mark.one_lane  # the class in every run (tests/decoding/test_compiled.py)
 def test_compiled_decoder_token_identical_to_eager(smollm2, decoder):
     """AOTInductor packages of the same programs (the cache shared with them): every constrained
     and free answer token for token the eager decoder's, in one batch of 4 rows."""
