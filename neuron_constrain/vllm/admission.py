@@ -9,7 +9,8 @@ a verdict that compiles there stops every other request while it runs (one 30,00
 coroutine every OpenAI request passes through before vLLM's own synchronous checks — so
 that it first awaits the verdict on the admission's threads: the cheap checks (the server's
 :class:`~neuron_constrain.structured.schema.limits.Limits`, whether a schema admits any value, a
-verdict cached already) on the small lane, then the compilation on the lane its size picks
+verdict cached already, whether a schema's shortest answer fits the request's ``max_tokens``) on the small
+lane, then the compilation on the lane its size picks
 (``structured/runtime/lanes.py``: a flood of large constraints queues behind its own kind), in
 xgrammar worker processes killed past ``compile_seconds`` and ``compile_memory_mb``. The
 loop only awaits. By the time ``validate_params`` runs (``validate.check_structured``), the
@@ -121,27 +122,32 @@ class Admission:
             await asyncio.wrap_future(self.lanes.submit(size, self._compiled, kind, constraint), loop=loop)
 
     def _cheap(self, so, max_tokens: int | None):
-        """The checks that cost a pass over the constraint; None when its verdict is known (admitted),
-        else what the compilation needs. A schema whose shortest answer needs more tokens than the request's
-        ``max_tokens`` is refused (the answer could only be cut short): a 400 naming ``max_tokens``."""
+        """The checks that cost a pass over the constraint (the limits, a cached verdict, whether its shortest
+        answer fits ``max_tokens``); None when its verdict is known (admitted), else what the compilation needs."""
         kind = "json"
         try:
             kind, spec = policy.request_constraint(so, self.limits)
             constraint = _constraint(kind, spec, self.limits, self.whitespace)
-            cached = policy.cached_verdict(constraint, self.limits)
-            fewest = policy.fewest_tokens(constraint) if max_tokens is not None else None
+            known = policy.cached_verdict(constraint, self.limits) is not None
+            _fits(constraint, max_tokens)
         except ConstraintError as error:
             raise refusal(kind, error) from None
-        if fewest is not None and fewest[1] > max_tokens:
-            raise VLLMValidationError(policy.too_few_tokens_message(*fewest, max_tokens), parameter="max_tokens",
-                                      value=max_tokens)
-        return None if cached is not None else (kind, constraint, len(spec))
+        return None if known else (kind, constraint, len(spec))
 
     def _compiled(self, kind: str, constraint) -> None:
         try:
             policy.admit(constraint, self.limits)
         except ConstraintError as error:
             raise refusal(kind, error) from None
+
+
+def _fits(constraint, max_tokens: int | None) -> None:
+    """A 400 naming ``max_tokens`` where a schema's shortest answer needs more tokens than the request may write
+    (the answer could only be cut short); checked after the limits, before any compilation."""
+    fewest = policy.fewest_tokens(constraint) if max_tokens is not None else None
+    if fewest is not None and fewest[1] > max_tokens:
+        raise VLLMValidationError(policy.too_few_tokens_message(*fewest, max_tokens), parameter="max_tokens",
+                                  value=max_tokens)
 
 
 _ADMISSION: Admission | None = None

@@ -99,10 +99,11 @@ def _regions(node: dict, table: dict) -> dict | None:
 
 def _read_wide(table: dict) -> dict | None:
     """Each pattern of an object whose additional names take any value, written as every name either dialect finds
-    (``regular.intersect_patterns``, wide; the text both read alike): such a name takes the pattern's schema, as the
+    (``regular.intersect_patterns``, wide; a text both read alike): such a name takes the pattern's schema, as the
     referee asks where it finds it, and any value is the additional schema's where it does not (narrower there,
-    never wider), where no two overlap. No complement is written: llguidance proves the patterns disjoint itself, within a budget the
-    complement of a bounded repetition exhausts. None where a pattern has a feature no automaton reads."""
+    never wider). No complement is written: llguidance proves the patterns disjoint itself, within a budget the
+    complement of a bounded repetition exhausts. None where two overlap, or a pattern has a feature no automaton
+    reads (the regions are written then)."""
     wide = {}
     for source, sub in table.items():
         region = regular.intersect_patterns((source,), wide=True)

@@ -317,8 +317,9 @@ def min_properties_as_required(schema) -> None:
                 or not isinstance(required, list) or node.get("additionalProperties") is not False
                 or "patternProperties" in node):
             continue
-        have = len(set(required) & set(properties))
-        optional = [name for name, sub in properties.items() if name not in required and sub is not False]
+        named = {name for name in required if isinstance(name, str)}
+        have = len(named & set(properties))
+        optional = [name for name, sub in properties.items() if name not in named and sub is not False]
         if count <= have:
             del node["minProperties"]
         elif count == have + 1 and 0 < len(optional) <= ONE_MORE_NAME_CAP:
