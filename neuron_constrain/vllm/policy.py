@@ -38,7 +38,7 @@ import threading
 
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, tools as library_tools
 from neuron_constrain.structured import validate_output
-from neuron_constrain.structured.schema import keywords, limits as limits_
+from neuron_constrain.structured.schema import keywords, limits as limits_, satisfiable
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured.schema.limits import DESCRIPTIONS, LimitError, Limits
 from neuron_constrain.structured.engines.xgrammar.grammars import lark_to_ebnf, structural_tag_ebnf
@@ -265,8 +265,6 @@ def fewest_tokens(constraint: Constraint) -> tuple[int, int] | None:
     the fewest tokens of the served vocabulary that could write it (no token writes more characters than its
     longest piece has bytes); None for other kinds, or before the served vocabulary is known (:func:`serve_on`:
     a byte vocabulary would count one character a token)."""
-    from neuron_constrain.structured.schema import satisfiable
-
     engine = _SERVED.get("engine")
     if engine is None or constraint.kind != "json_schema":
         return None

@@ -232,8 +232,7 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
     if not isinstance(lowered, dict):
         return lowered
     lists = allowlist(engine)
-    text = json.dumps(lowered)
-    prepared = json.loads(text)  # each engine's own: its rewrites and its compile edit nodes
+    prepared = json.loads(json.dumps(lowered))  # each engine's own: its rewrites and its compile edit nodes
     if "distribute" in lists.rewrites:
         rewrite.distribute(prepared)
     if "split_types" in lists.rewrites:  # exact: one branch per instance type, nothing narrowed
@@ -242,7 +241,7 @@ def engine_rewrites(lowered, engine, narrowed: list | None = None):
         pattern_members.explicit_regions(prepared)
     elif "pattern_dialects" in lists.rewrites:  # so where a pattern reads differently in the referee's dialect
         pattern_members.explicit_regions(prepared, where_dialects_differ=True)
-    if "min_properties" in lists.rewrites and '"minProperties"' in text:  # exact: which optional name makes it up
+    if "min_properties" in lists.rewrites:  # exact: which optional name makes up the count
         rewrite.min_properties_as_required(prepared)
     if "narrow" in lists.rewrites:
         referee = validator(prepared)
