@@ -54,8 +54,10 @@ class _Body(torch.nn.Module):
 
 def decode(step_fn, vocab, steps: int) -> list[list[int]]:
     """A structured decode over the static cache: ``step_fn(ids, position, fill)`` per step,
-    real xgrammar fills, requests started at different grammar states."""
-    runtime = StructuredRuntime(vocab, max_rows=BATCH)
+    real xgrammar fills, requests started at different grammar states. xgrammar alone: ``auto``'s race
+    would let the decodes' masks differ by when xgrammar's grammar was ready (the engines tokenize forced
+    text differently; under CI load one decode was served by each)."""
+    runtime = StructuredRuntime(vocab, max_rows=BATCH, engine="xgrammar")
     for request, constraint in enumerate(CONSTRAINTS):
         runtime.add(request, constraint)
     deadline = time.perf_counter() + 60

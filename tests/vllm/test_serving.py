@@ -227,13 +227,20 @@ def test_no_recompilation_under_mixed_load(server):
     requests = _mixed_requests(72)
     results = asyncio.run(_run_all(server, requests))
     _check_mixed(requests, results)
+    # then one request alone and two at once (16 tokens each, EOS ignored): batches of one and of two rows
+    # whatever the load's own timing made of its batches (under CI load it ran in batches of 4 and 8 only)
+    alone = dict(messages=MSG, temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    for wave in ([alone], [alone, alone]):
+        for choice, usage in asyncio.run(_run_all(server, [(dict(r), None, None) for r in wave])):
+            assert usage.completion_tokens == 16, usage
     after = server.metrics()
     assert after["compilations_after_warmup"] == 0, after
     assert after["compilations"] == before["compilations"] == 2 * len(after["buckets"])
     assert after["steps"] > before["steps"] + 40
     assert after["constrained_rows"] > before["constrained_rows"] and after["sampled_rows"] > before["sampled_rows"]
     used = [b for b, n in after["calls_per_bucket"].items() if n > before["calls_per_bucket"][b]]
-    assert len(used) >= 3, after["calls_per_bucket"]  # batch sizes varied across buckets, no new program
+    # batch sizes varied across buckets (one, two, and the largest under the load), no new program
+    assert {"1", "2", max(after["calls_per_bucket"], key=int)} <= set(used), after["calls_per_bucket"]
 
 
 def test_grammar_never_rejected_a_token(server):
