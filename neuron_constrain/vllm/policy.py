@@ -206,7 +206,17 @@ def _byte_engine(limits: Limits):
                       narrow_bounded_strings=True, race=False)
 
 
-_VERDICTS: dict = {}
+_VERDICTS: dict = {}  # (constraint key, limits) -> the engine admit() chose, or its ConstraintError
+_SHORTEST: dict = {}  # constraint key -> the shortest answer's characters (fewest_tokens)
+
+
+def _remember(table: dict, key, value):
+    """``table[key] = value``, the oldest entry dropped past 512; returns ``value``."""
+    with _LOCK:
+        if len(table) >= 512:
+            table.pop(next(iter(table)))
+        table[key] = value
+    return value
 
 
 def cached_verdict(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str | None:
@@ -234,10 +244,7 @@ def admit(constraint: Constraint, limits: Limits = SERVER_LIMITS) -> str:
         result = engine.compile(constraint if engine is _SERVED.get("engine") else verdict_form(constraint)).engine
     except ConstraintError as error:
         result = error
-    with _LOCK:
-        if len(_VERDICTS) >= 512:
-            _VERDICTS.pop(next(iter(_VERDICTS)))
-        _VERDICTS[key] = result
+    _remember(_VERDICTS, key, result)
     if isinstance(result, ConstraintError):
         raise result
     return result
@@ -268,7 +275,10 @@ def fewest_tokens(constraint: Constraint) -> tuple[int, int] | None:
     engine = _SERVED.get("engine")
     if engine is None or constraint.kind != "json_schema":
         return None
-    least = satisfiable.shortest(constraint.spec)
+    with _LOCK:
+        least = _SHORTEST.get(constraint.key)
+    if least is None:  # a fixed point over the schema (0.13 ms for MaskBench's median schema, 5.5 ms its longest)
+        least = _remember(_SHORTEST, constraint.key, satisfiable.shortest(constraint.spec))
     if least == float("inf"):
         return None  # no value: the verdict refuses it, by name
     longest = _longest_piece(engine.tokenizer)
