@@ -52,6 +52,7 @@ def hostile_constraints() -> dict[str, tuple[str, str]]:
     out["huge_regex"] = ("regex", "(" + "|".join(_words(28_000, "x")) + ")")  # ~200,000 characters
     out["nested_repetitions"] = ("regex", "((([a-z]{1,40}){1,40}){1,40}){1,40}")
     out["lookahead"] = ("regex", "(?=[a-z0-9]*[0-9])(?=[a-z0-9]*[a-z])[a-z0-9]{8,64}")
+    out["long_regex_match"] = ("regex", "([a-z][0-9]){5000,}")  # no match under 10,000 characters
     out["ambiguous_ebnf"] = ("grammar", 'root ::= s\ns ::= s s | s s s | "a" | "aa" | ""\n')
     out["huge_choice"] = ("choice", json.dumps(_words(20_000, "c")))
     return out

@@ -39,6 +39,7 @@ import threading
 from neuron_constrain.structured import ConstraintError, choice, ebnf, json_schema, regex, tools as library_tools
 from neuron_constrain.structured import validate_output
 from neuron_constrain.structured.schema import keywords, limits as limits_, satisfiable
+from neuron_constrain.structured.schema.algebra import lengths
 from neuron_constrain.structured.constraints import Constraint
 from neuron_constrain.structured.schema.limits import DESCRIPTIONS, LimitError, Limits
 from neuron_constrain.structured.engines.xgrammar.grammars import lark_to_ebnf, structural_tag_ebnf
@@ -268,21 +269,25 @@ def refusal_message(error: ConstraintError) -> str:
 
 
 def fewest_tokens(constraint: Constraint) -> tuple[int, int] | None:
-    """``(characters, tokens)``: the shortest answer a JSON schema admits (``satisfiable.shortest``, compact) and
-    the fewest tokens of the served vocabulary that could write it (no token writes more characters than its
-    longest piece has bytes); None for other kinds, or before the served vocabulary is known (:func:`serve_on`:
-    a byte vocabulary would count one character a token)."""
+    """``(characters, tokens)``: the shortest answer a JSON schema (``satisfiable.shortest``, compact) or a regex
+    (``lengths.fewest``) admits and the fewest tokens of the served vocabulary that could write it (no token
+    writes more characters than its longest piece has bytes); None for other kinds, where nothing is known, or
+    before the served vocabulary is known (:func:`serve_on`: a byte vocabulary would count one character a
+    token)."""
     engine = _SERVED.get("engine")
-    if engine is None or constraint.kind != "json_schema":
+    if engine is None or constraint.kind not in _SHORTEST_ANSWER:
         return None
     with _LOCK:
         least = _SHORTEST.get(constraint.key)
-    if least is None:  # a fixed point over the schema (0.13 ms for MaskBench's median schema, 5.5 ms its longest)
-        least = _remember(_SHORTEST, constraint.key, satisfiable.shortest(constraint.spec))
-    if least == float("inf"):
-        return None  # no value: the verdict refuses it, by name
+    if least is None:  # a schema's: a fixed point over it (0.13 ms for MaskBench's median schema, 5.5 ms its longest)
+        least = _remember(_SHORTEST, constraint.key, _SHORTEST_ANSWER[constraint.kind](constraint.spec))
+    if least == float("inf") or least == 0:
+        return None  # no value (the verdict refuses it, by name), or nothing known
     longest = _longest_piece(engine.tokenizer)
     return int(least), -(-int(least) // longest)
+
+
+_SHORTEST_ANSWER = {"json_schema": satisfiable.shortest, "regex": lengths.fewest}
 
 
 @functools.lru_cache(maxsize=4)
@@ -293,7 +298,7 @@ def _longest_piece(tokenizer) -> int:
 def too_few_tokens_message(characters: int, tokens: int, max_tokens: int) -> str:
     return (f"neuron_constrain: max_tokens={max_tokens} cannot hold any answer this constraint admits: the shortest "
             f"is {characters:,} characters, at least {tokens:,} tokens of the served model's vocabulary; raise "
-            f"max_tokens, or relax the schema (a smaller minLength, minItems, ...)")
+            f"max_tokens, or relax the constraint (a smaller minLength, minItems, repetition count, ...)")
 
 
 def over_budget_message(seconds: float, budget: float) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 
 import jsonschema
 import pytest
@@ -64,6 +65,41 @@ def test_a_cut_pattern_matches_only_the_strings_within_the_bounds(tree, low, hig
             got = written is not None and written.fullmatch(text) is not None
             assert not got or wanted, (tree, low, high, text)  # never wider
             assert not exact or got == wanted, (tree, low, high, text)  # exact: every such string
+
+
+@settings(max_examples=examples(80), suppress_health_check=list(HealthCheck), deadline=None)
+@given(_trees())
+def test_the_fewest_characters_of_a_plain_pattern_are_its_shortest_match(tree):
+    """``lengths.fewest`` (the vLLM server's max_tokens check for a regex) is exact without assertions."""
+    source, matcher = regular.write(tree), _matcher(tree)
+    least = lengths.fewest(source)
+    for size in range(min(least, 6) + 1):
+        found = any(matcher.fullmatch("".join(t)) for t in itertools.product(ALPHABET, repeat=size))
+        assert found == (size == least), (source, least, size)
+
+
+@settings(max_examples=examples(80), suppress_health_check=list(HealthCheck), deadline=None)
+@given(PATTERNS_DRAWN, st.data())
+def test_no_whole_match_of_a_drawn_pattern_is_shorter_than_its_fewest_characters(source, data):
+    """Drawn patterns with lookarounds, anchors, word boundaries, classes: a lower bound on every whole match
+    (Python's reading: a ``regex`` constraint's)."""
+    if not readable(source):
+        return
+    least = lengths.fewest(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pattern = re.compile(source)
+        drawn = data.draw(st.lists(st.from_regex(pattern, fullmatch=True), max_size=3))
+    for text in drawn + data.draw(st.lists(STRINGS, min_size=4, max_size=4)):
+        assert not pattern.fullmatch(text) or len(text) >= least, (source, least, text)
+
+
+@pytest.mark.parametrize("source, least", [
+    ("a{500}", 500), (r"(?:[a-z][0-9]){5000,}", 10_000), (r"(?=.*\d)[a-z\d]{8,64}", 8), (r"^\w{3}\b$", 3),
+    ("x|", 0), (r"(a)\1", 0), ("(", 0),  # a back-reference, a syntax error: not read here
+])
+def test_the_fewest_characters_of_a_regex(source, least):
+    assert lengths.fewest(source) == least
 
 
 @pytest.mark.parametrize("source, low, high, expected", [

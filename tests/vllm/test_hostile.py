@@ -1,5 +1,5 @@
 """Bounded work per request through the plugin's server: a storm of large and hostile constraints
-(``neuron_constrain.testing.hostile``, 16 classes) sent at once while ordinary requests flow, on the
+(``neuron_constrain.testing.hostile``, 17 classes) sent at once while ordinary requests flow, on the
 shared plugin server. Each hostile request is answered within 30 s, with a 400 that names the limit
 (and the ``--limit`` flag that raises it) or the problem, or with an answer its constraint accepts;
 every ordinary request is answered and valid; no compilation is left running afterwards. The
@@ -51,7 +51,7 @@ def test_a_storm_of_hostile_constraints_is_answered_while_ordinary_traffic_flows
     refused = {n: o.message for n, o in result.hostile.items() if o.status == 400}
     assert "--limit depth=N" in refused["deep_object"] and "--limit branches=N" in refused["wide_any_of"]
     assert "cycle with no base case" in refused["ref_cycle"] and "admits no value" in refused["contradictory_bounds"]
-    for name in ("long_min_length", "many_min_items"):  # no answer fits the request's max_tokens: refused, not cut
+    for name in ("long_min_length", "many_min_items", "long_regex_match"):  # no answer fits the request's max_tokens: refused, not cut
         assert f"max_tokens={HOSTILE_MAX_TOKENS} cannot hold any answer" in refused[name], refused.get(name)
     for outcome in alone + result.ordinary:  # every ordinary request answered, and valid
         assert outcome.status == 200, outcome.message

@@ -85,7 +85,9 @@ def test_fewest_tokens_bounds_the_shortest_answer_by_the_served_vocabularys_long
     assert policy.fewest_tokens(schema) == (characters, -(-characters // longest))
     answer = json.dumps(["x" * 30] * 10, separators=(",", ":"))
     assert len(answer) == characters and len(engine.tokenizer.encode(answer)) >= characters / longest
-    assert policy.fewest_tokens(policy.from_vllm("regex", "a{500}")) is None  # JSON schemas only
+    assert policy.fewest_tokens(policy.from_vllm("regex", "a{500}")) == (500, -(-500 // longest))  # a regex's too
+    assert policy.fewest_tokens(policy.from_vllm("regex", r"(a+)\1")) is None  # a back-reference: not read here
+    assert policy.fewest_tokens(policy.from_vllm("grammar", 'root ::= "a"')) is None  # grammars: not computed
     monkeypatch.setattr(policy.satisfiable, "shortest", lambda spec: pytest.fail("computed again"))
     assert policy.fewest_tokens(policy.from_vllm("json", json.dumps(schema.spec)))[0] == characters  # once a schema
     assert "max_tokens=16 cannot hold" in policy.too_few_tokens_message(characters, 40, 16)

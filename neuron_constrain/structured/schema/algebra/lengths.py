@@ -4,6 +4,7 @@ beside a ``pattern`` for an engine that cannot weigh them there.
     within(r"^([a-z][0-9])+$", 1000, None)   # ('^(?:(?:[a-z][0-9]){500,})$', True): the pattern, exact or not
     write_bounds(schema, narrowed)           # each pattern beside bounds in a schema so written (in place)
     length_lookahead(r"^(?=.{1,253}$)[a-z.]+$")  # ('^[a-z.]+$', 1, 253): a length bound as a lookahead, read as one
+    fewest(r"(ab){3,}c?")                    # 6: the fewest characters of a whole match
     cut(tree, 3, 8)                          # (tree', exact): tree' matches only tree's strings of 3-8 characters
 
 llguidance 1.9 intersects a pattern with its length bounds itself and proves the intersection non-empty
@@ -134,6 +135,31 @@ def within(source: str, low: int, high: int | None) -> tuple[str, bool] | None:
         return regular.write(bounded), is_exact
     except Over:
         return None
+
+
+def fewest(source: str) -> int:
+    """A lower bound on the characters of a string ``source`` matches whole (a ``regex`` constraint), from its
+    parsed tree (cached: the limits check parsed it): anchors, lookarounds and word boundaries count as none
+    (they only take strings away), each set as one character in either dialect. 0 where it is not read (a
+    syntax error, a refused feature: the compile names them)."""
+    try:
+        pattern = patterns.parse(source)
+    except ConstraintError:
+        return 0
+    return 0 if pattern.refused is not None else fold(pattern.tree, _fewest_characters)
+
+
+def _fewest_characters(node, parts: list) -> int:
+    kind = node[0]
+    if kind == "chars":
+        return 1
+    if kind == "seq":
+        return sum(parts)
+    if kind == "alt":
+        return min(parts, default=0)
+    if kind == "repeat":
+        return parts[0] * node[2]
+    return 0  # zero-width: an anchor, a lookaround, a word boundary
 
 
 def cut(tree, low: int, high: int | None) -> tuple[tuple | None, bool]:
