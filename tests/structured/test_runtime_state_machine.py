@@ -44,7 +44,7 @@ POOL = [
     S.json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 2}),
     None,
 ]
-TIMEOUT, FILL_TIMEOUT = 0.4, 1.0  # seconds; a real fill of the toy vocabulary takes ~50 us
+TIMEOUT, FILL_TIMEOUT = 0.4, 1.0  # seconds; a real fill of POOL's grammars on the toy vocabulary takes 1-3 us
 BOUND = 30.0  # seconds: no event wait below lasts longer (a bug fails the test, it never hangs CI)
 HANG = threading.Event()  # set at teardown: hung fills return
 HUNG_STARTED = threading.Event()  # a hung fill has started on a fill thread

@@ -51,7 +51,8 @@ def test_a_storm_of_hostile_constraints_is_answered_while_ordinary_traffic_flows
     refused = {n: o.message for n, o in result.hostile.items() if o.status == 400}
     assert "--limit depth=N" in refused["deep_object"] and "--limit branches=N" in refused["wide_any_of"]
     assert "cycle with no base case" in refused["ref_cycle"] and "admits no value" in refused["contradictory_bounds"]
-    for name in ("long_min_length", "many_min_items", "long_regex_match"):  # no answer fits the request's max_tokens: refused, not cut
+    # no answer fits the request's max_tokens: refused, not cut
+    for name in ("long_min_length", "many_min_items", "long_regex_match"):
         assert f"max_tokens={HOSTILE_MAX_TOKENS} cannot hold any answer" in refused[name], refused.get(name)
     for outcome in alone + result.ordinary:  # every ordinary request answered, and valid
         assert outcome.status == 200, outcome.message

@@ -231,7 +231,7 @@ def test_no_recompilation_under_mixed_load(server):
     # whatever the load's own timing made of its batches (under CI load it ran in batches of 4 and 8 only)
     alone = dict(messages=MSG, temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
     for wave in ([alone], [alone, alone]):
-        for choice, usage in asyncio.run(_run_all(server, [(dict(r), None, None) for r in wave])):
+        for _, usage in asyncio.run(_run_all(server, [(dict(r), None, None) for r in wave])):
             assert usage.completion_tokens == 16, usage
     after = server.metrics()
     assert after["compilations_after_warmup"] == 0, after
